@@ -1,0 +1,81 @@
+"""Loading prompts from a JSONL file: one ``{"prompt", "answer", "domain"}``
+object per line.
+
+``domain`` must name a built-in domain, whose verifier scores the completions
+of that prompt. Every problem is reported as one ``DataError`` naming the file,
+the line and the field, so that a bad line is found without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mopd_jax.data import domains
+from mopd_jax.data.domains import Example
+from mopd_jax.errors import DataError
+from mopd_jax.models.tokenizer import ALPHABET
+
+_FIELDS = ("prompt", "answer", "domain")
+
+
+def load_jsonl(path: str, alphabet: str | None = ALPHABET) -> list[Example]:
+  """The examples of the JSONL file at ``path``; blank lines are skipped.
+
+  Keys other than the three fields (an id, say) are ignored. ``prompt`` and
+  ``answer`` may use only characters of ``alphabet`` (the character
+  tokenizer's by default; None skips the check, for a tokenizer that can
+  encode any text). A reference ``answer`` must score 1.0 under its domain's
+  verifier, since a prompt that no completion can solve would only add noise.
+  """
+  try:
+    with open(path, "rb") as f:
+      lines = f.read().split(b"\n")
+  except OSError as e:
+    raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+  allowed = None if alphabet is None else frozenset(alphabet)
+  examples = [
+      _parse_line(raw, f"{path}:{lineno}", allowed)
+      for lineno, raw in enumerate(lines, start=1)
+      if raw.strip()
+  ]
+  if not examples:
+    raise DataError(f"{path}: no examples")
+  return examples
+
+
+def _parse_line(raw: bytes, where: str,
+                allowed: frozenset[str] | None) -> Example:
+  """The example on one non-blank line; ``where`` is ``path:lineno``."""
+  try:
+    record = json.loads(raw.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise DataError(f"{where}: not UTF-8 ({e.reason})") from None
+  except json.JSONDecodeError as e:
+    raise DataError(f"{where}: bad JSON: {e.msg} at column {e.colno}") from None
+  if not isinstance(record, dict):
+    raise DataError(
+        f"{where}: expected a JSON object, got {type(record).__name__}")
+  for field in _FIELDS:
+    if field not in record:
+      raise DataError(f"{where}: missing field {field!r}")
+    if not isinstance(record[field], str):
+      raise DataError(f"{where}: field {field!r} must be a string, got"
+                      f" {type(record[field]).__name__}")
+    if not record[field]:
+      raise DataError(f"{where}: field {field!r} is empty")
+  domain = record["domain"]
+  if domain not in domains.DOMAINS:
+    raise DataError(f"{where}: field 'domain': unknown domain {domain!r};"
+                    f" known: {', '.join(domains.DOMAINS)}")
+  if allowed is not None:
+    for field in ("prompt", "answer"):
+      bad = sorted(set(record[field]) - allowed)
+      if bad:
+        raise DataError(f"{where}: field {field!r} has characters {bad} that"
+                        " are not in the tokenizer alphabet")
+  example = Example(
+      prompt=record["prompt"], answer=record["answer"], domain=domain)
+  if domains.DOMAINS[domain].verify(example.answer, example.answer) != 1.0:
+    raise DataError(f"{where}: field 'answer': {example.answer[:40]!r} does not"
+                    f" pass the {domain!r} verifier")
+  return example

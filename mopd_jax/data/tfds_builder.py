@@ -1,0 +1,155 @@
+"""The built-in domains as a TFDS dataset (``mopd_domains``), built and read
+without TensorFlow.
+
+TFDS needs TensorFlow only for ``tf.data`` and the tfrecord format. With
+``file_format='array_record'``, ``download_and_prepare`` writes ArrayRecord
+files in pure Python and ``as_data_source`` reads them back as a random-access
+source; ``tfds.features.Text`` encodes to and decodes from numpy bytes on that
+path, so it works as is (fields come back as ``bytes``, decoded here).
+
+One BuilderConfig per domain, named after it, holds the default sizes and seed.
+Other sizes or seeds get a config named after all of them (see
+``_config_for``), so that datasets of different content never share a
+directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar
+
+import tensorflow_datasets as tfds
+
+from mopd_jax.data import domains
+from mopd_jax.data.domains import Example
+from mopd_jax.errors import DataError
+
+DEFAULT_NUM_TRAIN = 20_000
+DEFAULT_NUM_TEST = 256
+DEFAULT_SEED = 0
+
+
+@dataclasses.dataclass(eq=False)
+class DomainConfig(tfds.core.BuilderConfig):
+  """Which domain, how many examples per split and the data seed."""
+  domain: str = ""
+  num_train: int = DEFAULT_NUM_TRAIN
+  num_test: int = DEFAULT_NUM_TEST
+  seed: int = DEFAULT_SEED
+
+
+class MopdDomains(tfds.core.GeneratorBasedBuilder):
+  """Prompts and demonstration answers of one built-in domain."""
+
+  # Bump whenever a domain generator changes what it draws: built datasets are
+  # reused by version, so a stale one would otherwise be served silently.
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Initial release."}
+  BUILDER_CONFIGS: ClassVar[list[DomainConfig]] = [
+      DomainConfig(name=name, domain=name, description=d.description)
+      for name, d in domains.DOMAINS.items()
+  ]
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # DatasetInfo directly: dataset_info_from_configs() wants metadata files
+    # beside the builder's module, which a builder inside a package lacks.
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=self.builder_config.description,
+        features=tfds.features.FeaturesDict({
+            "prompt": tfds.features.Text(),
+            "answer": tfds.features.Text(),
+            "domain": tfds.features.Text(),
+        }),
+        # Keep generation order, so that example i of the source is example i
+        # of domains.generate(); TFDS shuffles by key hash otherwise.
+        disable_shuffling=True,
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # Nothing to download.
+    config = self.builder_config
+    return {
+        "train": self._generate_examples("train", config.num_train),
+        "test": self._generate_examples("test", config.num_test),
+    }
+
+  def _generate_examples(self, split: str, n: int):
+    config = self.builder_config
+    for i, ex in enumerate(
+        domains.generate(config.domain, split, n, config.seed)):
+      yield i, dataclasses.asdict(ex)
+
+
+class ExampleSource(Sequence):
+  """Random access to a built split; ``source[i]`` is an ``Example``."""
+
+  def __init__(self, data_source):
+    self._source = data_source
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> Example:
+    # Bounds are checked here so that iteration stops at IndexError and
+    # negative indices count from the end, as for a list.
+    n = len(self._source)
+    if not -n <= index < n:
+      raise IndexError(f"index {index} out of range for {n} examples")
+    return _to_example(self._source[index % n])
+
+  def __getitems__(self, indices: Sequence[int]) -> list[Example]:
+    """Examples at ``indices``, read in one batch (grain uses this)."""
+    n = len(self._source)
+    indices = [int(i) for i in indices]
+    bad = [i for i in indices if not 0 <= i < n]
+    if bad:
+      raise IndexError(f"indices {bad[:5]} out of range for {n} examples")
+    # About 2.5x faster per example than one read per index.
+    return [_to_example(r) for r in self._source.__getitems__(indices)]
+
+
+def _to_example(record: dict[str, bytes]) -> Example:
+  return Example(**{k: v.decode("utf-8") for k, v in record.items()})
+
+
+def _config_for(domain: str, num_train: int, num_test: int,
+                seed: int) -> DomainConfig | str:
+  if (num_train, num_test, seed) == (
+      DEFAULT_NUM_TRAIN, DEFAULT_NUM_TEST, DEFAULT_SEED):
+    return domain
+  # TFDS refuses a custom config that reuses a registered config's name.
+  return DomainConfig(
+      name=f"{domain}_seed{seed}_train{num_train}_test{num_test}",
+      description=domains.DOMAINS[domain].description,
+      domain=domain, num_train=num_train, num_test=num_test, seed=seed)
+
+
+def load_split(domain: str,
+               split: str,
+               data_dir: str,
+               *,
+               num_train: int = DEFAULT_NUM_TRAIN,
+               num_test: int = DEFAULT_NUM_TEST,
+               seed: int = DEFAULT_SEED) -> ExampleSource:
+  """One split of ``domain``, built into ``data_dir`` first if not there yet.
+
+  Both splits are built together; ``num_train``, ``num_test`` and ``seed``
+  fix the content, and each combination lives in its own directory.
+  """
+  domains.get_domain(domain)  # A DataError naming the known domains.
+  if split not in domains.SPLITS:
+    raise DataError(
+        f"unknown split {split!r}; known: {', '.join(domains.SPLITS)}")
+  # TFDS cannot write an empty split.
+  if min(num_train, num_test) < 1 or seed < 0:
+    raise DataError(f"need num_train, num_test >= 1 and seed >= 0, got"
+                    f" num_train={num_train}, num_test={num_test}, seed={seed}")
+  builder = MopdDomains(
+      config=_config_for(domain, num_train, num_test, seed),
+      data_dir=data_dir,
+      file_format="array_record")
+  # A no-op when the dataset is already prepared in data_dir.
+  builder.download_and_prepare(file_format="array_record")
+  return ExampleSource(builder.as_data_source(split))

@@ -1,0 +1,22 @@
+"""User-facing errors: each one becomes a single line on stderr and exit code 2.
+
+Anything raised as a ``UserError`` is a problem with what the user gave us
+(config, data, checkpoint, workdir), never a bug in mopd_jax, so the entry point
+prints it without a traceback.
+"""
+
+
+class UserError(Exception):
+  """A problem with the user's input; the message names the file/line/field."""
+
+
+class ConfigError(UserError):
+  """An unknown config field, a wrong type or an impossible value."""
+
+
+class DataError(UserError):
+  """A malformed data file, an unknown domain or an empty dataset."""
+
+
+class CheckpointError(UserError):
+  """A missing, corrupt or incompatible checkpoint."""

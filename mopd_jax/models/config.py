@@ -1,0 +1,54 @@
+"""Decoder architecture hyper-parameters (Llama / Qwen2 / Qwen3 family)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Static description of a decoder; hashable so it can be a jit static arg.
+
+  ``qk_norm`` is Qwen3's per-head RMSNorm on queries and keys, ``attention_bias``
+  is Qwen2's bias on the q/k/v projections, ``tie_embeddings`` reuses the input
+  embedding as the output projection.
+  """
+  vocab_size: int = 58
+  embed_dim: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  mlp_dim: int = 384
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  qk_norm: bool = False
+  attention_bias: bool = False
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of"
+          f" num_kv_heads={self.num_kv_heads}")
+
+  def num_params(self) -> int:
+    """Parameter count, embeddings included (used for FLOP estimates)."""
+    d, f, h, k, hd = (self.embed_dim, self.mlp_dim, self.num_heads,
+                      self.num_kv_heads, self.head_dim)
+    per_layer = d * hd * (h + 2 * k) + h * hd * d + 3 * d * f + 2 * d
+    if self.attention_bias:
+      per_layer += hd * (h + 2 * k)
+    if self.qk_norm:
+      per_layer += 2 * hd
+    head = 0 if self.tie_embeddings else d * self.vocab_size
+    return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+
+PRESETS = {
+    "tiny": ModelConfig(),
+    "micro": ModelConfig(embed_dim=32, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=16, mlp_dim=64),
+}

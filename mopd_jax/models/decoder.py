@@ -1,0 +1,261 @@
+"""Decoder-only transformer as pure functions over a parameter pytree.
+
+``init`` returns parameters whose leaves are ``flax.linen.LogicallyPartitioned``
+boxes naming each axis (``vocab``, ``embed``, ``heads``, ...); ``nn.unbox``
+gives the plain arrays that ``apply`` takes and that Merge adds and subtracts,
+``nn.get_partition_spec`` gives the logical layout that ``parallel`` maps onto a
+mesh. Layers are stacked on a leading ``layers`` axis and run with
+``lax.scan`` so compile time does not grow with depth.
+
+Batches are described by ``segment_ids`` (0 = padding, equal ids = one
+sequence, so packed and padded batches are handled alike) and ``positions``
+(RoPE positions, see ``positions_from_segments``). A token attends to earlier
+slots of its own segment only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mopd_jax.models.config import ModelConfig
+
+Params = Any
+
+
+class KVCache(NamedTuple):
+  """Keys/values of every layer, the segment id of each slot, next free slot."""
+  k: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
+  v: jax.Array
+  segment_ids: jax.Array  # [batch, slots]; 0 marks an empty or padding slot
+  index: jax.Array  # int32 scalar: slot of the next token written
+
+
+def _box(value, names):
+  return nn.LogicallyPartitioned(value, names)
+
+
+def init(cfg: ModelConfig, key: jax.Array) -> Params:
+  """Random parameters (boxed with logical axis names).
+
+  Weights ~ N(0, 0.02^2); the residual-branch outputs (``o``, ``down``) are
+  scaled by 1/sqrt(2 L) so the residual stream's variance does not grow with
+  depth. Norm scales start at 1, biases at 0.
+  """
+  dt = jnp.dtype(cfg.param_dtype)
+  L, D, H, K, Dh, F, V = (cfg.num_layers, cfg.embed_dim, cfg.num_heads,
+                          cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
+                          cfg.vocab_size)
+  keys = iter(jax.random.split(key, 9))
+  std, out_std = 0.02, 0.02 / (2 * L) ** 0.5
+
+  def normal(shape, s):
+    return (s * jax.random.normal(next(keys), shape)).astype(dt)
+
+  layers = {
+      "attn_norm": _box(jnp.ones((L, D), dt), ("layers", "norm")),
+      "q": _box(normal((L, D, H, Dh), std),
+                ("layers", "embed", "heads", "head_dim")),
+      "k": _box(normal((L, D, K, Dh), std),
+                ("layers", "embed", "kv_heads", "head_dim")),
+      "v": _box(normal((L, D, K, Dh), std),
+                ("layers", "embed", "kv_heads", "head_dim")),
+      "o": _box(normal((L, H, Dh, D), out_std),
+                ("layers", "heads", "head_dim", "embed")),
+      "mlp_norm": _box(jnp.ones((L, D), dt), ("layers", "norm")),
+      "gate": _box(normal((L, D, F), std), ("layers", "embed", "mlp")),
+      "up": _box(normal((L, D, F), std), ("layers", "embed", "mlp")),
+      "down": _box(normal((L, F, D), out_std), ("layers", "mlp", "embed")),
+  }
+  if cfg.attention_bias:
+    layers["q_bias"] = _box(jnp.zeros((L, H, Dh), dt),
+                            ("layers", "heads", "head_dim"))
+    layers["k_bias"] = _box(jnp.zeros((L, K, Dh), dt),
+                            ("layers", "kv_heads", "head_dim"))
+    layers["v_bias"] = _box(jnp.zeros((L, K, Dh), dt),
+                            ("layers", "kv_heads", "head_dim"))
+  if cfg.qk_norm:
+    layers["q_norm"] = _box(jnp.ones((L, Dh), dt), ("layers", "head_dim"))
+    layers["k_norm"] = _box(jnp.ones((L, Dh), dt), ("layers", "head_dim"))
+  params = {
+      "embed": _box(normal((V, D), std), ("vocab", "embed")),
+      "layers": layers,
+      "final_norm": _box(jnp.ones((D,), dt), ("norm",)),
+  }
+  if not cfg.tie_embeddings:
+    params["lm_head"] = _box(normal((D, V), std), ("embed", "vocab"))
+  return params
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+  """Plain (unboxed) random parameters."""
+  return nn.unbox(init(cfg, key))
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+  """Pytree of ``PartitionSpec``s of logical axis names, shaped like params."""
+  boxed = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
+  return nn.get_partition_spec(boxed)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """``y = x / sqrt(mean(x^2) + eps) * scale``, computed in float32."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, half-split layout (as Llama/Qwen in Hugging Face).
+
+  With ``f_i = theta^(-2i/d)`` and ``phi = p * f``:
+  ``rope(x) = x * cos(phi||phi) + rotate_half(x) * sin(phi||phi)``,
+  ``rotate_half([x1, x2]) = [-x2, x1]``. ``x``: [B, T, heads, d].
+  """
+  d = x.shape[-1]
+  inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  phi = positions.astype(jnp.float32)[..., None] * inv_freq
+  phi = jnp.concatenate([phi, phi], axis=-1)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x32 * jnp.cos(phi) + rotated * jnp.sin(phi)).astype(x.dtype)
+
+
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+  """Position of each token within its segment (0 at each segment start).
+
+  Works for right padding, left padding and packing alike: a segment starts
+  wherever the id differs from the previous token's. Padding gets positions
+  too, which is harmless because padding is masked out of attention.
+  """
+  t = jnp.arange(segment_ids.shape[-1])
+  prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  starts = jnp.where(segment_ids != prev, t, 0)
+  return t - jax.lax.cummax(starts, axis=1)
+
+
+def attention_mask(q_segments, q_slots, kv_segments, kv_slots) -> jax.Array:
+  """``mask[b, t, s] = seg_kv[s] == seg_q[t] != 0  and  slot_kv[s] <= slot_q[t]``."""
+  same = (q_segments[:, :, None] == kv_segments[:, None, :]) & (
+      kv_segments[:, None, :] != 0)
+  causal = kv_slots[None, None, :] <= q_slots[:, :, None]
+  return same & causal
+
+
+def _attend(q, k, v, mask):
+  """Grouped-query softmax attention; q: [B,T,H,d], k/v: [B,S,K,d].
+
+  ``softmax(q k^T / sqrt(d) + mask) v`` with each group of H/K query heads
+  sharing one key/value head. Masked scores get a large finite negative so a
+  fully masked (padding) row stays finite.
+  """
+  B, T, H, d = q.shape
+  K = k.shape[2]
+  q = q.reshape(B, T, K, H // K, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
+                      preferred_element_type=jnp.float32) * d ** -0.5
+  scores = jnp.where(mask[:, None, None], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(B, T, H, d)
+
+
+def _layer(cfg: ModelConfig, x, p, positions, mask, kv_cache, index):
+  """One pre-norm block: ``x += Attn(norm(x)); x += SwiGLU(norm(x))``."""
+  dt = x.dtype
+  h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
+  q = jnp.einsum("btd,dhk->bthk", h, p["q"].astype(dt))
+  k = jnp.einsum("btd,dhk->bthk", h, p["k"].astype(dt))
+  v = jnp.einsum("btd,dhk->bthk", h, p["v"].astype(dt))
+  if cfg.attention_bias:
+    q, k, v = (q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt),
+               v + p["v_bias"].astype(dt))
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], cfg.norm_eps)
+    k = rms_norm(k, p["k_norm"], cfg.norm_eps)
+  q = rope(q, positions, cfg.rope_theta)
+  k = rope(k, positions, cfg.rope_theta)
+  if kv_cache is not None:
+    k_all = jax.lax.dynamic_update_slice(kv_cache[0], k, (0, index, 0, 0))
+    v_all = jax.lax.dynamic_update_slice(kv_cache[1], v, (0, index, 0, 0))
+  else:
+    k_all, v_all = k, v
+  attn = _attend(q, k_all, v_all, mask)
+  x = x + jnp.einsum("bthk,hkd->btd", attn, p["o"].astype(dt))
+  x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+  h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+  gate = jnp.einsum("btd,df->btf", h, p["gate"].astype(dt))
+  up = jnp.einsum("btd,df->btf", h, p["up"].astype(dt))
+  act = nn.with_logical_constraint(jax.nn.silu(gate) * up,
+                                   ("batch", "length", "mlp"))
+  x = x + jnp.einsum("btf,fd->btd", act, p["down"].astype(dt))
+  x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+  return x, None if kv_cache is None else (k_all, v_all)
+
+
+def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
+                  segment_ids: jax.Array, positions: jax.Array | None = None,
+                  cache: KVCache | None = None):
+  """Final-norm hidden states [B, T, D] and the updated cache (or None).
+
+  Without a cache, ``tokens`` attend among themselves. With one, they are
+  written at slots ``cache.index + [0, T)`` and attend to everything already
+  cached, so a prefill followed by one-token decode steps equals one forward
+  pass over the whole sequence.
+  """
+  if positions is None:
+    positions = positions_from_segments(segment_ids)
+  dt = jnp.dtype(cfg.dtype)
+  T = tokens.shape[1]
+  x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
+  x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+  if cache is None:
+    slots = jnp.arange(T)
+    mask = attention_mask(segment_ids, slots[None].repeat(tokens.shape[0], 0),
+                          segment_ids, slots)
+    index = None
+  else:
+    index = cache.index
+    kv_segments = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids,
+                                               (0, index))
+    q_slots = (index + jnp.arange(T))[None].repeat(tokens.shape[0], 0)
+    mask = attention_mask(segment_ids, q_slots, kv_segments,
+                          jnp.arange(cache.segment_ids.shape[1]))
+
+  def body(x, layer):
+    p, kv = layer
+    x, kv = _layer(cfg, x, p, positions, mask, kv, index)
+    return x, kv
+
+  kv_in = None if cache is None else (cache.k, cache.v)
+  x, kv = jax.lax.scan(body, x, (params["layers"], kv_in))
+  x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+  if cache is None:
+    return x, None
+  return x, KVCache(kv[0], kv[1], kv_segments, index + T)
+
+
+def output_weight(params: Params, cfg: ModelConfig) -> jax.Array:
+  """The [D, V] output projection (the tied embedding, transposed, if tied)."""
+  return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+
+
+def apply(params: Params, cfg: ModelConfig, tokens: jax.Array,
+          segment_ids: jax.Array, positions: jax.Array | None = None,
+          cache: KVCache | None = None):
+  """Float32 logits [B, T, V] and the updated cache: ``logits = h W_out``."""
+  h, cache = hidden_states(params, cfg, tokens, segment_ids, positions, cache)
+  logits = jnp.einsum("btd,dv->btv", h, output_weight(params, cfg).astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+  return nn.with_logical_constraint(logits, ("batch", "length", "vocab")), cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+  """An empty cache of ``slots`` positions per sequence."""
+  shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+  return KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype),
+                 jnp.zeros((batch, slots), jnp.int32), jnp.zeros((), jnp.int32))

@@ -1,0 +1,151 @@
+"""Batched autoregressive sampling: jitted prefill, then a ``lax.while_loop``
+decode over a KV cache whose buffers are donated between the two.
+
+Prompts are left-padded so every row's next token goes to the same cache slot.
+Returned log-probs are those of the sampling policy (after temperature, top-k
+and top-p), so they can serve as ``pi_old`` in a policy-gradient ratio; with
+temperature 0 (greedy) they are the model's plain log-probs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mopd_jax.models import decoder
+from mopd_jax.models.config import ModelConfig
+from mopd_jax.ops.logprobs import token_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those."""
+  max_new_tokens: int = 48
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  eos_id: int = 2
+  pad_id: int = 0
+
+
+class Rollout(NamedTuple):
+  """Completions of a batch of prompts.
+
+  ``completion[b, t]`` is the t-th generated token (PAD after EOS),
+  ``logprobs[b, t]`` its log-prob under the sampling policy and ``mask[b, t]``
+  is 1 for generated tokens up to and including EOS.
+  """
+  completion: jax.Array  # [B, N] int32
+  logprobs: jax.Array  # [B, N] float32
+  mask: jax.Array  # [B, N] int32
+
+
+def policy_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+  """Logits of the distribution actually sampled from.
+
+  ``z / temperature``, with tokens outside the top-k, or outside the smallest
+  set whose probability reaches ``top_p`` (the most likely token always kept),
+  set to -inf. Greedy (temperature 0) leaves the logits unscaled.
+  """
+  z = logits.astype(jnp.float32)
+  if sampling.temperature > 0:
+    z = z / sampling.temperature
+  if sampling.top_k > 0:
+    kth = jax.lax.top_k(z, sampling.top_k)[0][..., -1:]
+    z = jnp.where(z < kth, -jnp.inf, z)
+  if sampling.top_p < 1.0:
+    sorted_z = jnp.sort(z, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_z, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where(mass_before < sampling.top_p, sorted_z, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    z = jnp.where(z < threshold, -jnp.inf, z)
+  return z
+
+
+def _choose(logits, key, sampling: SamplingConfig):
+  z = policy_logits(logits, sampling)
+  if sampling.temperature > 0:
+    token = jax.random.categorical(key, z, axis=-1)
+  else:
+    token = jnp.argmax(z, axis=-1)
+  return token.astype(jnp.int32), token_logprobs(z, token)
+
+
+@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(4,))
+def _prefill(params, cfg: ModelConfig, prompt, prompt_mask, cache):
+  segments = prompt_mask.astype(jnp.int32)
+  logits, cache = decoder.apply(params, cfg, prompt, segments, None, cache)
+  next_position = jnp.sum(segments, axis=1)
+  return logits[:, -1], cache, next_position
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=(4,))
+def _decode(params, cfg: ModelConfig, sampling: SamplingConfig, key,
+            cache, last_logits, next_position):
+  batch = last_logits.shape[0]
+  n = sampling.max_new_tokens
+  out = jnp.full((batch, n), sampling.pad_id, jnp.int32)
+  state = (jnp.int32(0), cache, last_logits, next_position,
+           jnp.zeros(batch, bool), out, jnp.zeros((batch, n), jnp.float32),
+           jnp.zeros((batch, n), jnp.int32), key)
+
+  def cond(state):
+    step, done = state[0], state[4]
+    return (step < n) & ~jnp.all(done)
+
+  def body(state):
+    step, cache, logits, position, done, out, lps, mask, key = state
+    key, sub = jax.random.split(key)
+    token, lp = _choose(logits, sub, sampling)
+    live = ~done
+    token = jnp.where(live, token, sampling.pad_id)
+    out = out.at[:, step].set(token)
+    lps = lps.at[:, step].set(jnp.where(live, lp, 0.0))
+    mask = mask.at[:, step].set(live.astype(jnp.int32))
+    done = done | (token == sampling.eos_id)
+    logits, cache = decoder.apply(params, cfg, token[:, None],
+                                  live.astype(jnp.int32)[:, None],
+                                  position[:, None], cache)
+    return (step + 1, cache, logits[:, 0], position + 1, done, out, lps, mask,
+            key)
+
+  state = jax.lax.while_loop(cond, body, state)
+  # The cache is returned so that its donated input buffers are reused in place.
+  return Rollout(state[5], state[6], state[7]), state[1]
+
+
+def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
+           key: jax.Array, sampling: SamplingConfig) -> Rollout:
+  """Sample up to ``max_new_tokens`` per left-padded prompt row.
+
+  ``prompt``: [B, P] int32, ``prompt_mask``: [B, P] (1 on real tokens, which
+  must be right-aligned). Deterministic for a given ``key``.
+  """
+  batch, width = prompt.shape
+  cache = decoder.init_cache(cfg, batch, width + sampling.max_new_tokens)
+  last_logits, cache, position = _prefill(params, cfg, prompt, prompt_mask,
+                                          cache)
+  rollout, _ = _decode(params, cfg, sampling, key, cache, last_logits,
+                       position)
+  return rollout
+
+
+def sequence_logprobs(params, cfg: ModelConfig, prompt, prompt_mask,
+                      rollout: Rollout, sampling: SamplingConfig) -> jax.Array:
+  """Sampling-policy log-probs of ``rollout`` from one full forward pass.
+
+  The no-cache reference for the sampler: the log-probs must match
+  ``rollout.logprobs`` where ``rollout.mask`` is 1.
+  """
+  tokens = jnp.concatenate([prompt, rollout.completion], axis=1)
+  segments = jnp.concatenate([prompt_mask, rollout.mask], axis=1).astype(
+      jnp.int32)
+  logits, _ = decoder.apply(params, cfg, tokens, segments)
+  width = prompt.shape[1]
+  z = policy_logits(logits[:, width - 1:-1], sampling)
+  return jnp.where(rollout.mask > 0, token_logprobs(z, rollout.completion), 0.0)

@@ -1,0 +1,69 @@
+"""Entry point: ``python -m mopd_jax.train --config=configs/<m>.py[:variant]``.
+
+Overrides go as ``--config.train.steps=100``. Problems with the user's input
+(config, data, checkpoints, workdir) print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from mopd_jax import config as config_lib
+from mopd_jax.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file, e.g. configs/pretrain.py or"
+    " configs/pretrain.py:smoke.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                               "Run directory: checkpoints, metrics, reports.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+# method -> module with ``run(config, workdir)``
+STAGES = {"pretrain": "mopd_jax.stages.pretrain"}
+
+
+def _fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def prepare_workdir(workdir: str) -> str:
+  """Create ``workdir`` if needed and check that it can be written."""
+  path = os.path.abspath(os.path.expanduser(workdir))
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, ".write_test")
+    with open(probe, "w", encoding="utf-8"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"workdir {path}: not writable ({e.strerror})") from None
+  return path
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)  # keep library chatter off the bar
+  try:
+    config = config_lib.validate(_CONFIG.value)
+    workdir = prepare_workdir(_WORKDIR.value)
+    importlib.import_module(STAGES[config.method]).run(config, workdir)
+  except UserError as e:
+    _fail(str(e))
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, UserError) as e:
+    _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

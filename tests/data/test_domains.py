@@ -1,0 +1,199 @@
+"""Tests of the built-in domains: generators, verifiers and splits."""
+
+from __future__ import annotations
+
+import string
+
+import hypothesis
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from mopd_jax.data import domains
+from mopd_jax.errors import DataError
+from mopd_jax.models.tokenizer import ALPHABET
+
+ALL = tuple(domains.DOMAINS)
+
+
+def _corrupt(answer: str) -> str:
+  """``answer`` with its last character changed to another of its class."""
+  last = answer[-1]
+  pool = string.digits if last.isdigit() else string.ascii_lowercase
+  return answer[:-1] + pool[(pool.index(last) + 1) % len(pool)]
+
+
+def test_registry():
+  assert set(domains.DOMAINS) == {"add", "chain", "instruct", "sort", "reverse"}
+  assert domains.TRAIN_DOMAINS == ("add", "chain", "instruct", "sort")
+  assert domains.HELD_OUT_DOMAINS == ("reverse",)
+  for name, d in domains.DOMAINS.items():
+    assert d.name == name
+    assert d.held_out == (name in domains.HELD_OUT_DOMAINS)
+    assert domains.get_domain(name) is d
+
+
+def test_unknown_domain_names_the_known_ones():
+  with pytest.raises(DataError,
+                     match="unknown domain 'mul'; known: add, chain"):
+    domains.get_domain("mul")
+  with pytest.raises(DataError, match="unknown domain"):
+    domains.generate("mul", "train", 1, 0)
+
+
+def test_unknown_split_and_bad_counts():
+  with pytest.raises(DataError, match="unknown split 'dev'"):
+    domains.generate("add", "dev", 1, 0)
+  with pytest.raises(DataError, match="n >= 0"):
+    domains.generate("add", "train", -1, 0)
+  with pytest.raises(DataError, match="seed >= 0"):
+    domains.generate("add", "train", 1, -1)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_verifier_accepts_demonstration_rejects_corruption(name):
+  d = domains.DOMAINS[name]
+  for ex in domains.generate(name, "train", 200, seed=1):
+    assert ex.domain == name
+    assert d.verify(ex.answer, ex.answer) == 1.0
+    assert d.verify(" " + ex.answer + "\n", ex.answer) == 1.0
+    assert d.verify(_corrupt(ex.answer), ex.answer) == 0.0
+    assert d.verify("", ex.answer) == 0.0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_prompts_and_answers_use_only_the_alphabet(name):
+  allowed = set(ALPHABET)
+  for ex in domains.generate(name, "train", 500, seed=2):
+    assert set(ex.prompt) <= allowed, ex
+    assert set(ex.answer) <= allowed, ex
+    assert ex.answer
+
+
+def test_prompts_start_with_a_domain_keyword():
+  keywords = {"add": ("add ",), "chain": ("sum ",),
+              "instruct": ("first ", "last ", "count ", "len "),
+              "sort": ("sort ",), "reverse": ("rev ",)}
+  for name in ALL:
+    for ex in domains.generate(name, "train", 200, seed=3):
+      assert ex.prompt.startswith(keywords[name]), ex
+
+
+def test_examples_are_correct():
+  for ex in domains.generate("add", "train", 300, seed=4):
+    a, b = ex.prompt[len("add "):-1].split("+")
+    assert 0 <= int(a) <= 199 and 0 <= int(b) <= 199
+    assert int(ex.answer) == int(a) + int(b)
+  for ex in domains.generate("chain", "train", 300, seed=4):
+    terms = [int(t) for t in ex.prompt[len("sum "):-1].split()]
+    assert 3 <= len(terms) <= 5 and all(1 <= t <= 49 for t in terms)
+    steps, total = ex.answer.split("#")
+    assert int(total) == sum(terms)
+    assert len(steps.rstrip(";").split(";")) == len(terms) - 1
+  for ex in domains.generate("sort", "train", 300, seed=4):
+    word = ex.prompt[len("sort "):-1]
+    assert 3 <= len(word) <= 6 and ex.answer == "".join(sorted(word))
+  for ex in domains.generate("reverse", "train", 300, seed=4):
+    word = ex.prompt[len("rev "):-1]
+    assert 3 <= len(word) <= 5 and ex.answer == word[::-1]
+
+
+def test_instruct_examples():
+  examples = domains.generate("instruct", "train", 2000, seed=5)
+  counts = []
+  for ex in examples:
+    assert 1 <= len(ex.answer) <= 3, ex
+    words = ex.prompt[:-1].split()
+    word = words[-1]
+    assert 3 <= len(word) <= 7
+    if words[0] == "first":
+      assert ex.answer == word[:int(words[1])]
+    elif words[0] == "last":
+      assert ex.answer == word[-int(words[1]):]
+    elif words[0] == "count":
+      assert int(ex.answer) == word.count(words[1])
+      counts.append(int(ex.answer))
+    else:
+      assert words[:2] == ["len", "of"] and ex.answer == str(len(word))
+  assert len({ex.prompt.split()[0] for ex in examples}) == 4
+  # The letter is drawn so that a count is often positive.
+  assert np.mean(np.array(counts) > 0) > 0.4
+
+
+def test_chain_and_add_verifier_edge_cases():
+  chain = domains.get_domain("chain")
+  assert chain.verify("12+7=19;19+30=49;49+5=54;#54",
+                      "12+7=19;19+30=49;49+5=54;#54") == 1.0
+  # Only the outcome after the last '#' counts.
+  assert chain.verify("wrong steps #1 #54", "12+7=19;#54") == 1.0
+  assert chain.verify("#54;", "12+7=19;#54") == 0.0
+  assert chain.verify("54", "12+7=19;#54") == 0.0
+  add = domains.get_domain("add")
+  assert add.verify("132", "132") == 1.0
+  assert add.verify("0132", "132") == 0.0
+
+
+def test_determinism():
+  for name in ALL:
+    a = domains.generate(name, "train", 100, seed=7)
+    assert a == domains.generate(name, "train", 100, seed=7)
+    assert a != domains.generate(name, "train", 100, seed=8)
+    # A smaller request is a prefix of a larger one.
+    assert domains.generate(name, "test", 20, seed=7) == domains.generate(
+        name, "test", 40, seed=7)[:20]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_train_and_test_share_no_prompt(name):
+  train = domains.generate(name, "train", 5000, seed=0)
+  test = domains.generate(name, "test", 500, seed=0)
+  train_prompts = {ex.prompt for ex in train}
+  test_prompts = [ex.prompt for ex in test]
+  assert len(set(test_prompts)) == len(test_prompts)  # Test is deduplicated.
+  assert not train_prompts & set(test_prompts)
+  assert all(domains.split_of(p) == "train" for p in train_prompts)
+  assert all(domains.split_of(p) == "test" for p in test_prompts)
+
+
+def test_split_of_is_stable_and_roughly_ten_percent():
+  assert domains.split_of("add 1+2=") == domains.split_of("add 1+2=")
+  prompts = [f"add {a}+{b}=" for a in range(200) for b in range(200)]
+  frac = np.mean([domains.split_of(p) == "test" for p in prompts])
+  assert 0.08 < frac < 0.12
+  assert all(domains.split_of(p, test_fraction=0.0) == "train" for p in prompts)
+
+
+def test_generate_fails_instead_of_looping_when_split_cannot_fill(monkeypatch):
+  monkeypatch.setattr(domains, "_MIN_DRAWS", 0)
+  monkeypatch.setattr(domains, "_DRAWS_PER_EXAMPLE", 2)
+  # About 10% of prompts are test prompts, so 2 draws per example fall short.
+  with pytest.raises(DataError, match="could not draw 50 test examples"):
+    domains.generate("add", "test", 50, seed=0)
+
+
+def test_chain_answers_are_much_longer_than_instruct_answers():
+  mean = {name: np.mean([len(ex.answer)
+                         for ex in domains.generate(name, "train", 2000, 0)])
+          for name in ("chain", "instruct")}
+  assert mean["chain"] >= 5 * mean["instruct"], mean
+
+
+_NASTY_TEXT = st.one_of(
+    st.text(),
+    st.text(alphabet=st.characters(), min_size=1000, max_size=5000),
+    st.text(alphabet="0123456789#+- ;", max_size=200),
+    st.integers(min_value=1, max_value=100_000).map(lambda k: "9" * k),
+    st.integers(min_value=1, max_value=100_000).map(lambda k: "#" + "9" * k),
+    st.integers(min_value=1, max_value=100_000).map(lambda k: "\x00\n#" * k),
+)
+
+
+@pytest.mark.parametrize("name", ALL)
+@hypothesis.settings(max_examples=100, deadline=2000)
+@hypothesis.given(completion=_NASTY_TEXT, answer=_NASTY_TEXT)
+def test_verifiers_never_raise(name, completion, answer):
+  d = domains.DOMAINS[name]
+  for c, a in ((completion, answer), (completion, "12+7=19;#19"),
+               (completion, "132")):
+    reward = d.verify(c, a)
+    assert isinstance(reward, float) and 0.0 <= reward <= 1.0
