@@ -53,7 +53,7 @@ def defaults(method: str) -> ml_collections.ConfigDict:
       max_prompt_len=24,
   ))
   c.train = ml_collections.ConfigDict(dict(
-      steps=1500, batch_size=64, log_every=25, eval_every=0))
+      steps=1500, batch_size=32, log_every=25, eval_every=0))
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=3e-3, warmup_steps=100, end_lr_fraction=0.1,
       weight_decay=0.01, b1=0.9, b2=0.95, grad_clip=1.0))

@@ -1,39 +1,57 @@
 """Turn examples into fixed-shape token arrays.
 
-Demonstrations are right-padded ``BOS prompt answer EOS`` rows whose loss mask
-covers the answer and EOS; prompts for sampling are left-padded ``BOS prompt``
+Demonstrations are ``BOS prompt answer EOS`` sequences packed into rows, whose
+loss mask covers the answer and EOS; prompts for sampling are left-padded ``BOS prompt``
 rows so every row's first generated token lands in the same cache slot.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from mopd_jax.errors import DataError
 
 
-def encode_demonstrations(examples: Sequence, tokenizer, length: int):
-  """``tokens``, ``segment_ids`` and ``loss_mask``, each [B, length] int32.
+def demonstration_tokens(example, tokenizer) -> tuple[list[int], int]:
+  """``BOS prompt answer EOS`` ids and the index where the answer starts."""
+  prompt = [tokenizer.bos_id] + tokenizer.encode(example.prompt)
+  return prompt + tokenizer.encode(example.answer) + [tokenizer.eos_id], len(
+      prompt)
 
-  ``loss_mask[b, t] = 1`` where ``tokens[b, t]`` is an answer or EOS token,
-  i.e. a token the model must learn to predict from what precedes it.
+
+def pack_demonstrations(draw: Callable[[], object], tokenizer, rows: int,
+                        length: int):
+  """Pack demonstrations into ``rows`` rows of ``length`` tokens.
+
+  Examples come from ``draw()`` and go, first fit, into the first row with
+  room; packing stops at the first example that fits nowhere (it is dropped).
+  Returns ``tokens``, ``segment_ids`` (1, 2, ... per example in a row, 0 on
+  padding) and ``loss_mask`` (1 on answer and EOS tokens, the ones the model
+  learns to predict), each [rows, length] int32, and the examples packed.
   """
-  tokens = np.full((len(examples), length), tokenizer.pad_id, np.int32)
+  tokens = np.full((rows, length), tokenizer.pad_id, np.int32)
   segments = np.zeros_like(tokens)
   loss_mask = np.zeros_like(tokens)
-  for b, ex in enumerate(examples):
-    prompt = [tokenizer.bos_id] + tokenizer.encode(ex.prompt)
-    answer = tokenizer.encode(ex.answer) + [tokenizer.eos_id]
-    row = prompt + answer
-    if len(row) > length:
-      raise DataError(f"{ex.domain} example {ex.prompt!r}: {len(row)} tokens"
-                      f" exceed the sequence length {length}")
-    tokens[b, :len(row)] = row
-    segments[b, :len(row)] = 1
-    loss_mask[b, len(prompt):len(row)] = 1
-  return dict(tokens=tokens, segment_ids=segments, loss_mask=loss_mask)
+  fill = [0] * rows
+  packed = []
+  while True:
+    example = draw()
+    ids, answer_start = demonstration_tokens(example, tokenizer)
+    if len(ids) > length:
+      raise DataError(f"{example.domain} example {example.prompt!r}:"
+                      f" {len(ids)} tokens exceed the sequence length {length}")
+    row = next((r for r in range(rows) if fill[r] + len(ids) <= length), None)
+    if row is None:
+      break
+    start = fill[row]
+    tokens[row, start:start + len(ids)] = ids
+    segments[row, start:start + len(ids)] = segments[row].max() + 1
+    loss_mask[row, start + answer_start:start + len(ids)] = 1
+    fill[row] += len(ids)
+    packed.append(example)
+  return dict(tokens=tokens, segment_ids=segments, loss_mask=loss_mask), packed
 
 
 def encode_prompts(prompts: Sequence[str], tokenizer, width: int):

@@ -129,14 +129,14 @@ class _Chain(Domain):
 
 
 class _Instruct(_ExactMatch):
-  """Concise instructions on a word; answers are 1 to 3 characters.
+  """Concise instructions on a 4 to 8 letter word; answers are 1 to 3 characters.
 
   ``first 2 of kqzt:`` -> ``kq``, ``last 1 of kqzt:`` -> ``t``,
   ``count a in abca:`` -> ``2``, ``len of abcd:`` -> ``4``.
   """
 
   def _sample(self, rng: np.random.Generator) -> tuple[str, str]:
-    word = _letters(rng, 3, 7)
+    word = _letters(rng, 4, 8)
     task = int(rng.integers(0, 4))
     if task == 0:
       k = int(rng.integers(1, 4))
@@ -156,10 +156,10 @@ class _Instruct(_ExactMatch):
 
 
 class _Sort(_ExactMatch):
-  """``sort qbfa:`` -> ``abfq``, 3 to 6 letters; no partial credit."""
+  """``sort qbfa:`` -> ``abfq``, 4 to 7 letters; no partial credit."""
 
   def _sample(self, rng: np.random.Generator) -> tuple[str, str]:
-    word = _letters(rng, 3, 6)
+    word = _letters(rng, 4, 7)
     return f"sort {word}:", "".join(sorted(word))
 
 
@@ -178,7 +178,7 @@ DOMAINS: dict[str, Domain] = {
                "step-by-step sum of 3 to 5 terms; only the total is checked"),
         _Instruct("instruct", False,
                   "first/last k letters, letter count, word length"),
-        _Sort("sort", False, "sort 3 to 6 letters"),
+        _Sort("sort", False, "sort 4 to 7 letters"),
         _Reverse("reverse", True,
                  "reverse 3 to 5 letters; held out, base training only"),
     )

@@ -44,8 +44,11 @@ class MopdDomains(tfds.core.GeneratorBasedBuilder):
 
   # Bump whenever a domain generator changes what it draws: built datasets are
   # reused by version, so a stale one would otherwise be served silently.
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Initial release."}
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES: ClassVar[dict[str, str]] = {
+      "1.0.0": "Initial release.",
+      "1.1.0": "Harder instruct (4-8 letter words) and sort (4-7 letters).",
+  }
   BUILDER_CONFIGS: ClassVar[list[DomainConfig]] = [
       DomainConfig(name=name, domain=name, description=d.description)
       for name, d in domains.DOMAINS.items()

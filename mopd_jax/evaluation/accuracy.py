@@ -15,44 +15,46 @@ from mopd_jax.rollout import sampler
 
 def generate(params, model_cfg, tokenizer, prompts: Sequence[str],
              sampling: sampler.SamplingConfig, key: jax.Array,
-             batch_size: int, width: int) -> list[str]:
-  """Decoded completions of ``prompts``, sampled ``batch_size`` at a time.
+             batch_size: int, width: int) -> tuple[list[str], list[int]]:
+  """Decoded completions of ``prompts`` and their lengths in tokens (EOS
+  included when produced), sampled ``batch_size`` at a time.
 
   The last batch is padded with copies of the first prompt so that every
   call has the same shape (one compilation).
   """
-  texts = []
+  texts, lengths = [], []
   for start in range(0, len(prompts), batch_size):
     chunk = list(prompts[start:start + batch_size])
     padded = chunk + [prompts[0]] * (batch_size - len(chunk))
     tokens, mask = encode_prompts(padded, tokenizer, width)
     rollout = sampler.sample(params, model_cfg, tokens, mask,
                              jax.random.fold_in(key, start), sampling)
-    completion = np.asarray(rollout.completion)
-    texts += [tokenizer.decode(row) for row in completion[:len(chunk)]]
-  return texts
+    completion = np.asarray(rollout.completion)[:len(chunk)]
+    texts += [tokenizer.decode(row) for row in completion]
+    lengths += np.asarray(rollout.mask)[:len(chunk)].sum(axis=1).tolist()
+  return texts, lengths
+
+
+def grade(domain: str, completions: Sequence[str], examples: Sequence,
+          lengths: Sequence[int]) -> dict[str, float]:
+  """``accuracy`` (fraction with reward 1), mean ``reward`` and ``length``."""
+  verify = get_domain(domain).verify
+  rewards = np.array([verify(c, e.answer) for c, e in zip(completions,
+                                                           examples)])
+  return dict(accuracy=float(np.mean(rewards >= 1.0)),
+              reward=float(np.mean(rewards)), length=float(np.mean(lengths)))
 
 
 def evaluate(params, model_cfg, tokenizer, examples: Mapping[str, Sequence],
              sampling: sampler.SamplingConfig, key: jax.Array,
              batch_size: int, width: int) -> dict[str, dict[str, float]]:
-  """``{domain: {accuracy, reward, length}}`` over each domain's examples.
-
-  ``accuracy`` is the fraction of completions with reward 1, ``reward`` the
-  mean verifier reward and ``length`` the mean completion length in tokens
-  (EOS included when produced).
-  """
+  """``{domain: grade(...)}`` over each domain's examples."""
   results = {}
   for i, (name, exs) in enumerate(sorted(examples.items())):
-    domain = get_domain(name)
-    texts = generate(params, model_cfg, tokenizer, [e.prompt for e in exs],
-                     sampling, jax.random.fold_in(key, i), batch_size, width)
-    rewards = np.array([domain.verify(t, e.answer)
-                        for t, e in zip(texts, exs)])
-    lengths = [min(len(t) + 1, sampling.max_new_tokens) for t in texts]
-    results[name] = dict(accuracy=float(np.mean(rewards >= 1.0)),
-                         reward=float(np.mean(rewards)),
-                         length=float(np.mean(lengths)))
+    texts, lengths = generate(params, model_cfg, tokenizer,
+                              [e.prompt for e in exs], sampling,
+                              jax.random.fold_in(key, i), batch_size, width)
+    results[name] = grade(name, texts, exs, lengths)
   return results
 
 

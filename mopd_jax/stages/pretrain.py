@@ -30,13 +30,16 @@ def mixture_weights(domains, weights) -> np.ndarray:
   return w / w.sum()
 
 
-def sample_batch(train_sets, weights: np.ndarray, batch_size: int, seed: int,
-                 step: int) -> list:
-  """Examples of step ``step``: domain ``d ~ w``, then an example of ``d``
-  uniformly, all drawn from ``rng(seed, step)``."""
+def batch_drawer(train_sets, weights: np.ndarray, seed: int, step: int):
+  """Example stream of step ``step``: domain ``d ~ w``, then an example of
+  ``d`` uniformly, all drawn from ``rng(seed, step)``."""
   rng = np.random.default_rng([seed, step])
-  picks = rng.choice(len(train_sets), size=batch_size, p=weights)
-  return [train_sets[d][int(rng.integers(len(train_sets[d])))] for d in picks]
+
+  def draw():
+    d = int(rng.choice(len(train_sets), p=weights))
+    return train_sets[d][int(rng.integers(len(train_sets[d])))]
+
+  return draw
 
 
 def load_domains(config):
@@ -121,9 +124,10 @@ def run(config, workdir: str):
   batch_sharding = parallel.batch_sharding(mesh)
 
   def step_fn(state, step):
-    examples = sample_batch([train_sets[d] for d in config.data.domains],
-                            weights, config.train.batch_size, config.seed, step)
-    arrays = batching.encode_demonstrations(examples, tokenizer, length)
+    draw = batch_drawer([train_sets[d] for d in config.data.domains], weights,
+                        config.seed, step)
+    arrays, _ = batching.pack_demonstrations(draw, tokenizer,
+                                             config.train.batch_size, length)
     with parallel.activate(mesh):
       return train_step(state, jax.device_put(arrays, batch_sharding))
 

@@ -1,0 +1,144 @@
+"""Benchmark: train-step throughput and MFU, sampler decode throughput.
+
+    python experiments/bench_step.py [--preset=tiny] [--rows=32] [--length=72]
+
+Prints, all measured in this one process:
+* the train step's tokens/s and model-FLOPs utilisation (MFU) against the
+  peak of a large float32 matmul timed here (the machine's practical peak);
+* the sampler's decode tokens/s (KV cache, ``lax.while_loop``) against a
+  baseline that re-runs the full forward pass over the whole padded sequence
+  for every new token (no cache), and the ratio of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from mopd_jax.models import decoder
+from mopd_jax.models.config import PRESETS, ModelConfig
+from mopd_jax.objectives.sft import sft_loss
+from mopd_jax.rollout import sampler
+from mopd_jax.training import make_optimizer, init_state
+
+
+def timed(fn, repeats: int) -> float:
+  """Median seconds of ``fn()`` (which must block) over ``repeats`` calls."""
+  fn()  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def matmul_peak(n: int = 2048) -> float:
+  """FLOP/s of an ``n x n`` float32 matmul, the peak MFU is measured against."""
+  a = jax.random.normal(jax.random.key(0), (n, n))
+  b = jax.random.normal(jax.random.key(1), (n, n))
+  mm = jax.jit(jnp.dot)
+  return 2 * n ** 3 / timed(lambda: mm(a, b).block_until_ready(), 5)
+
+
+def train_flops_per_token(cfg: ModelConfig, length: int) -> float:
+  """``6 N`` (matmuls, forward and backward) plus ``12 L H d T`` (attention
+  scores and values, forward and backward), the usual MFU accounting; the
+  input embedding lookup does no matmul and is left out of ``N``."""
+  n = cfg.num_params() - cfg.vocab_size * cfg.embed_dim
+  if cfg.tie_embeddings:  # the tied table still does the output matmul
+    n += cfg.vocab_size * cfg.embed_dim
+  attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length
+  return 6 * n + attention
+
+
+def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float):
+  optim = ml_collections.ConfigDict(dict(
+      learning_rate=1e-3, warmup_steps=10, end_lr_fraction=0.1,
+      weight_decay=0.0, b1=0.9, b2=0.95, grad_clip=1.0))
+  optimizer = make_optimizer(optim, 1000)
+  state = init_state(decoder.init_params(cfg, jax.random.key(0)), optimizer)
+  rng = np.random.default_rng(0)
+  batch = dict(tokens=rng.integers(3, cfg.vocab_size, (rows, length),
+                                   dtype=np.int32),
+               segment_ids=np.ones((rows, length), np.int32),
+               loss_mask=np.ones((rows, length), np.int32))
+
+  @jax.jit
+  def step(state, batch):
+    def loss_fn(p):
+      s, c = sft_loss(p, cfg, batch)
+      return s / c
+    grads = jax.grad(loss_fn)(state["params"])
+    updates, opt = optimizer.update(grads, state["opt_state"], state["params"])
+    params = jax.tree.map(jnp.add, state["params"], updates)
+    return dict(params=params, opt_state=opt, step=state["step"] + 1)
+
+  seconds = timed(lambda: jax.block_until_ready(step(state, batch)), 10)
+  tokens = rows * length
+  flops = train_flops_per_token(cfg, length) * tokens / seconds
+  return tokens / seconds, flops, flops / peak
+
+
+def bench_decode(cfg: ModelConfig, batch: int, prompt_len: int, new: int):
+  params = decoder.init_params(cfg, jax.random.key(0))
+  prompt = jax.random.randint(jax.random.key(1), (batch, prompt_len), 3,
+                              cfg.vocab_size)
+  mask = jnp.ones_like(prompt)
+  # eos_id=-1: never stop early, so both paths generate exactly ``new`` tokens.
+  sampling = sampler.SamplingConfig(max_new_tokens=new, eos_id=-1)
+  cached = timed(lambda: jax.block_until_ready(sampler.sample(
+      params, cfg, prompt, mask, jax.random.key(2), sampling)), 3)
+
+  @jax.jit
+  def no_cache(params, prompt, key):
+    tokens = jnp.pad(prompt, ((0, 0), (0, new)))
+    segments = jnp.pad(jnp.ones_like(prompt), ((0, 0), (0, new)))
+
+    def body(t, carry):
+      tokens, segments, key = carry
+      key, sub = jax.random.split(key)
+      logits, _ = decoder.apply(params, cfg, tokens, segments)
+      nxt = jax.random.categorical(sub, logits[:, prompt_len + t - 1])
+      tokens = tokens.at[:, prompt_len + t].set(nxt.astype(jnp.int32))
+      segments = segments.at[:, prompt_len + t].set(1)
+      return tokens, segments, key
+
+    return jax.lax.fori_loop(0, new, body, (tokens, segments, key))[0]
+
+  baseline = timed(lambda: jax.block_until_ready(
+      no_cache(params, prompt, jax.random.key(2))), 3)
+  return batch * new / cached, batch * new / baseline
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+  parser.add_argument("--rows", type=int, default=32)
+  parser.add_argument("--length", type=int, default=72)
+  parser.add_argument("--decode_batch", type=int, default=128)
+  parser.add_argument("--prompt_len", type=int, default=24)
+  parser.add_argument("--new_tokens", type=int, default=48)
+  args = parser.parse_args()
+  cfg = PRESETS[args.preset]
+  print(f"backend={jax.default_backend()} devices={jax.device_count()}"
+        f" preset={args.preset} params={cfg.num_params():,}")
+  peak = matmul_peak()
+  tok_s, flops, mfu = bench_train(cfg, args.rows, args.length, peak)
+  print(f"matmul peak             {peak / 1e9:10.1f} GFLOP/s")
+  print(f"train step              {tok_s:10.0f} tokens/s"
+        f"  {flops / 1e9:.1f} GFLOP/s  MFU {100 * mfu:.1f}%")
+  cached, baseline = bench_decode(cfg, args.decode_batch, args.prompt_len,
+                                  args.new_tokens)
+  print(f"decode, KV cache        {cached:10.0f} tokens/s")
+  print(f"decode, no-cache reforward {baseline:7.0f} tokens/s")
+  print(f"cache speed-up          {cached / baseline:10.2f}x")
+
+
+if __name__ == "__main__":
+  main()

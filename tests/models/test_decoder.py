@@ -1,0 +1,162 @@
+"""The decoder against an independent numpy implementation, and the cache,
+padding and packing paths against one plain forward pass."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mopd_jax.models import decoder
+from mopd_jax.models.config import ModelConfig
+
+VARIANTS = {
+    "llama": ModelConfig(vocab_size=40, embed_dim=32, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48),
+    "qwen2": ModelConfig(vocab_size=40, embed_dim=32, num_layers=2,
+                         num_heads=4, num_kv_heads=1, head_dim=8, mlp_dim=48,
+                         attention_bias=True, tie_embeddings=False,
+                         rope_theta=1e6),
+    "qwen3": ModelConfig(vocab_size=40, embed_dim=32, num_layers=2,
+                         num_heads=2, num_kv_heads=2, head_dim=16, mlp_dim=48,
+                         qk_norm=True),
+}
+
+
+def _random_params(cfg, seed=0):
+  """Init params with every leaf (norms and biases too) perturbed."""
+  params = decoder.init_params(cfg, jax.random.key(seed))
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in
+            zip(leaves, keys)]
+  return jax.tree.unflatten(tree, leaves)
+
+
+def _np_rms(x, scale, eps):
+  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale
+
+
+def _np_rope(x, pos, theta):
+  d = x.shape[-1]
+  inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+  ang = pos[:, None] * inv[None]
+  cos, sin = np.cos(ang), np.sin(ang)
+  x1, x2 = x[..., :d // 2], x[..., d // 2:]
+  c, s = cos[:, None], sin[:, None]
+  return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+def numpy_forward(params, cfg, tokens):
+  """One unpadded sequence, written out loop by loop (the reference)."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  T = len(tokens)
+  pos = np.arange(T, dtype=np.float64)
+  x = p["embed"][tokens]
+  lay = p["layers"]
+  group = cfg.num_heads // cfg.num_kv_heads
+  for l in range(cfg.num_layers):
+    h = _np_rms(x, lay["attn_norm"][l], cfg.norm_eps)
+    heads = []
+    for hq in range(cfg.num_heads):
+      hk = hq // group
+      q = h @ lay["q"][l][:, hq]
+      k = h @ lay["k"][l][:, hk]
+      v = h @ lay["v"][l][:, hk]
+      if cfg.attention_bias:
+        q, k, v = (q + lay["q_bias"][l][hq], k + lay["k_bias"][l][hk],
+                   v + lay["v_bias"][l][hk])
+      if cfg.qk_norm:
+        q = _np_rms(q, lay["q_norm"][l], cfg.norm_eps)
+        k = _np_rms(k, lay["k_norm"][l], cfg.norm_eps)
+      q = _np_rope(q[:, None], pos, cfg.rope_theta)[:, 0]
+      k = _np_rope(k[:, None], pos, cfg.rope_theta)[:, 0]
+      s = q @ k.T / np.sqrt(cfg.head_dim)
+      s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+      w = np.exp(s - s.max(-1, keepdims=True))
+      w /= w.sum(-1, keepdims=True)
+      heads.append(w @ v @ lay["o"][l][hq])
+    x = x + sum(heads)
+    h = _np_rms(x, lay["mlp_norm"][l], cfg.norm_eps)
+    g = h @ lay["gate"][l]
+    x = x + (g / (1 + np.exp(-g)) * (h @ lay["up"][l])) @ lay["down"][l]
+  x = _np_rms(x, p["final_norm"], cfg.norm_eps)
+  w_out = p["embed"].T if cfg.tie_embeddings else p["lm_head"]
+  return x @ w_out
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_matches_numpy_reference(name):
+  cfg = VARIANTS[name]
+  params = _random_params(cfg)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
+  logits, _ = decoder.apply(params, cfg, jnp.asarray(tokens)[None],
+                            jnp.ones((1, 11), jnp.int32))
+  ref = numpy_forward(params, cfg, tokens)
+  np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_prefill_then_decode_equals_full_forward(name):
+  cfg = VARIANTS[name]
+  params = _random_params(cfg)
+  B, T, split = 3, 12, 5
+  tokens = jax.random.randint(jax.random.key(3), (B, T), 0, cfg.vocab_size)
+  pad = jnp.array([0, 2, 4])  # left padding per row
+  segments = (jnp.arange(T)[None] >= pad[:, None]).astype(jnp.int32)
+  positions = decoder.positions_from_segments(segments)
+  full, _ = decoder.apply(params, cfg, tokens, segments)
+  cache = decoder.init_cache(cfg, B, T + 3)
+  out, cache = decoder.apply(params, cfg, tokens[:, :split],
+                             segments[:, :split], positions[:, :split], cache)
+  steps = [out]
+  for t in range(split, T):
+    out, cache = decoder.apply(params, cfg, tokens[:, t:t + 1],
+                               segments[:, t:t + 1], positions[:, t:t + 1],
+                               cache)
+    steps.append(out)
+  incremental = jnp.concatenate(steps, axis=1)
+  valid = np.asarray(segments, bool)
+  np.testing.assert_allclose(np.asarray(incremental)[valid],
+                             np.asarray(full)[valid], atol=1e-5)
+  assert int(cache.index) == T
+
+
+def test_left_padding_and_packing_do_not_change_logits():
+  cfg = VARIANTS["llama"]
+  params = _random_params(cfg)
+  a = jnp.array([5, 6, 7, 8, 9])
+  b = jnp.array([11, 12, 13])
+  alone_a, _ = decoder.apply(params, cfg, a[None], jnp.ones((1, 5), jnp.int32))
+  alone_b, _ = decoder.apply(params, cfg, b[None], jnp.ones((1, 3), jnp.int32))
+  # Packed: [a a a a a b b b 0 0], segments 1..1 2 2 2 0 0.
+  packed = jnp.concatenate([a, b, jnp.zeros(2, jnp.int32)])[None]
+  seg = jnp.array([[1] * 5 + [2] * 3 + [0] * 2])
+  out, _ = decoder.apply(params, cfg, packed, seg)
+  np.testing.assert_allclose(out[0, :5], alone_a[0], atol=1e-5)
+  np.testing.assert_allclose(out[0, 5:8], alone_b[0], atol=1e-5)
+  # Left padded b.
+  left = jnp.concatenate([jnp.zeros(2, jnp.int32), b])[None]
+  out, _ = decoder.apply(params, cfg, left, jnp.array([[0, 0, 1, 1, 1]]))
+  np.testing.assert_allclose(out[0, 2:], alone_b[0], atol=1e-5)
+  assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_positions_from_segments():
+  seg = jnp.array([[0, 0, 1, 1, 1], [1, 1, 2, 2, 0], [3, 3, 3, 3, 3]])
+  np.testing.assert_array_equal(
+      decoder.positions_from_segments(seg),
+      [[0, 1, 0, 1, 2], [0, 1, 0, 1, 0], [0, 1, 2, 3, 4]])
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_logical_axes_name_every_dimension(name):
+  cfg = VARIANTS[name]
+  params = decoder.init_params(cfg, jax.random.key(0))
+  axes = decoder.logical_axes(cfg)
+  flat_p = jax.tree.leaves(params)
+  flat_a = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(
+      x, jax.sharding.PartitionSpec))
+  assert len(flat_p) == len(flat_a)
+  for p, spec in zip(flat_p, flat_a):
+    assert len(spec) == p.ndim and all(isinstance(n, str) for n in spec)
+  assert sum(p.size for p in flat_p) == cfg.num_params()

@@ -1,0 +1,116 @@
+"""The KV-cached sampler against one full forward pass, and its policy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mopd_jax.models import decoder
+from mopd_jax.models.config import ModelConfig
+from mopd_jax.rollout import sampler
+
+CFG = ModelConfig(vocab_size=30, embed_dim=32, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, mlp_dim=64)
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def setup():
+  params = decoder.init_params(CFG, jax.random.key(0))
+  # Larger weights than init so the distribution is far from uniform.
+  params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
+  B, P = 5, 9
+  prompt = jax.random.randint(jax.random.key(1), (B, P), 3, CFG.vocab_size)
+  starts = jnp.array([0, 3, 5, 7, 8])  # rows of different lengths
+  mask = (jnp.arange(P)[None] >= starts[:, None]).astype(jnp.int32)
+  return params, prompt * mask, mask
+
+
+SETTINGS = [
+    sampler.SamplingConfig(max_new_tokens=24, eos_id=EOS),
+    sampler.SamplingConfig(max_new_tokens=24, temperature=0.7, top_k=8,
+                           top_p=0.9, eos_id=EOS),
+    sampler.SamplingConfig(max_new_tokens=24, temperature=0.0, eos_id=EOS),
+]
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "topkp", "greedy"])
+def test_logprobs_equal_full_forward(setup, sampling):
+  params, prompt, mask = setup
+  out = sampler.sample(params, CFG, prompt, mask, jax.random.key(7), sampling)
+  ref = sampler.sequence_logprobs(params, CFG, prompt, mask, out, sampling)
+  assert np.asarray(out.mask).sum() > 0
+  diff = np.abs(np.asarray(ref) - np.asarray(out.logprobs))
+  assert diff.max() <= 1e-5
+
+
+def test_temperature_one_logprobs_are_model_logprobs(setup):
+  params, prompt, mask = setup
+  sampling = SETTINGS[0]
+  out = sampler.sample(params, CFG, prompt, mask, jax.random.key(2), sampling)
+  tokens = jnp.concatenate([prompt, out.completion], 1)
+  seg = jnp.concatenate([mask, out.mask], 1)
+  logits = np.asarray(decoder.apply(params, CFG, tokens, seg)[0], np.float64)
+  P = prompt.shape[1]
+  comp, m = np.asarray(out.completion), np.asarray(out.mask)
+  for b in range(prompt.shape[0]):
+    for t in range(sampling.max_new_tokens):
+      if m[b, t]:
+        z = logits[b, P - 1 + t]
+        ref = z[comp[b, t]] - np.log(np.exp(z - z.max()).sum()) - z.max()
+        assert abs(ref - float(out.logprobs[b, t])) < 1e-5
+
+
+def test_eos_stops_the_row_and_deterministic(setup):
+  params, prompt, mask = setup
+  sampling = sampler.SamplingConfig(max_new_tokens=30, eos_id=5)
+  a = sampler.sample(params, CFG, prompt, mask, jax.random.key(11), sampling)
+  b = sampler.sample(params, CFG, prompt, mask, jax.random.key(11), sampling)
+  c = sampler.sample(params, CFG, prompt, mask, jax.random.key(12), sampling)
+  np.testing.assert_array_equal(a.completion, b.completion)
+  assert not np.array_equal(np.asarray(a.completion), np.asarray(c.completion))
+  comp, m = np.asarray(a.completion), np.asarray(a.mask)
+  stopped = 0
+  for row, mrow in zip(comp, m):
+    n = int(mrow.sum())
+    assert np.all(mrow[:n] == 1) and np.all(mrow[n:] == 0)
+    assert np.all(row[n:] == sampling.pad_id)
+    assert not np.any(row[:n - 1] == 5)
+    if n < sampling.max_new_tokens:
+      assert row[n - 1] == 5
+      stopped += 1
+  assert stopped > 0
+
+
+def test_policy_logits_top_k_and_top_p_against_numpy():
+  logits = jax.random.normal(jax.random.key(0), (4, 20)) * 3
+  z = np.asarray(sampler.policy_logits(
+      logits, sampler.SamplingConfig(temperature=0.5, top_k=5)))
+  ref = np.asarray(logits) / 0.5
+  for row, r in zip(z, ref):
+    kept = np.isfinite(row)
+    assert kept.sum() == 5
+    assert set(np.flatnonzero(kept)) == set(np.argsort(-r)[:5])
+    np.testing.assert_allclose(row[kept], r[kept], rtol=1e-6)
+  z = np.asarray(sampler.policy_logits(
+      logits, sampler.SamplingConfig(top_p=0.8)))
+  for row, r in zip(z, np.asarray(logits)):
+    order = np.argsort(-r)
+    p = np.exp(r - r.max())
+    p /= p.sum()
+    before = np.cumsum(p[order]) - p[order]
+    expect = set(order[before < 0.8])
+    assert set(np.flatnonzero(np.isfinite(row))) == expect
+
+
+def test_greedy_takes_argmax(setup):
+  params, prompt, mask = setup
+  sampling = SETTINGS[2]
+  out = sampler.sample(params, CFG, prompt, mask, jax.random.key(0), sampling)
+  tokens = jnp.concatenate([prompt, out.completion], 1)
+  seg = jnp.concatenate([mask, out.mask], 1)
+  logits = decoder.apply(params, CFG, tokens, seg)[0]
+  P = prompt.shape[1]
+  pred = np.asarray(jnp.argmax(logits[:, P - 1:-1], -1))
+  m = np.asarray(out.mask, bool)
+  np.testing.assert_array_equal(pred[m], np.asarray(out.completion)[m])

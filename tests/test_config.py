@@ -1,0 +1,90 @@
+"""Config validation: one ConfigError naming the field; the CLI turns it (and
+flag errors, bad domains, unwritable workdirs) into one line and exit 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mopd_jax import config as config_lib
+from mopd_jax.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "configs", "pretrain.py") + ":smoke"
+
+
+def _smoke():
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  try:
+    import pretrain  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.pop(0)
+  return pretrain.get_config("smoke")
+
+
+def test_defaults_validate_and_fill_missing_fields():
+  cfg = _smoke()
+  del cfg.eval
+  full = config_lib.validate(cfg)
+  assert full.eval.num_prompts == config_lib.defaults("pretrain").eval.num_prompts
+  assert full.train.steps == 6  # the variant's value survives
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda c: c.train.__setattr__("stepz", 3), "train.stepz"),
+    (lambda c: c.__setattr__("modle", {}), "modle"),
+    (lambda c: c.optim.__setattr__("learning_rate", -1.0),
+     "optim.learning_rate"),
+    (lambda c: c.train.__setattr__("steps", 0), "train.steps"),
+    (lambda c: c.sampling.__setattr__("top_p", 1.5), "sampling.top_p"),
+    (lambda c: c.model.__setattr__("num_kv_heads", 3), "model.num_kv_heads"),
+    (lambda c: c.model.__setattr__("head_dim", 15), "model.head_dim"),
+    (lambda c: c.data.__setattr__("weights", (1.0, 2.0)), "data.weights"),
+    (lambda c: c.__setattr__("method", "magic"), "method"),
+])
+def test_bad_field_is_named(mutate, field):
+  cfg = _smoke()
+  mutate(cfg)
+  with pytest.raises(ConfigError) as err:
+    config_lib.validate(cfg)
+  assert str(err.value).startswith(field + ":")
+
+
+def test_wrong_type_is_named():
+  import ml_collections
+  cfg = ml_collections.ConfigDict(_smoke().to_dict())
+  cfg.train = ml_collections.ConfigDict(dict(cfg.train.to_dict(), steps="ten"))
+  with pytest.raises(ConfigError, match=r"^train\.steps: expected int"):
+    config_lib.validate(cfg)
+
+
+def _cli(*args, env=None):
+  return subprocess.run(
+      [sys.executable, "-m", "mopd_jax.train", *args],
+      capture_output=True, text=True, cwd=ROOT, timeout=120,
+      env=env or os.environ)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("--config.train.stepz=3", "stepz"),
+    ("--config.train.steps=abc", "steps"),
+    ("--config.train.steps=0", "train.steps"),
+    ("--config.data.domains=('add','poetry')", "poetry"),
+])
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, override, needle):
+  result = _cli(f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}", override,
+                f"--config.data.data_dir={tmp_path / 'd'}")
+  assert result.returncode == 2, result.stderr
+  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and needle in lines[0], result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_cli_unwritable_workdir(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  result = _cli(f"--config={SMOKE}", f"--workdir={blocker / 'run'}")
+  assert result.returncode == 2
+  assert "workdir" in result.stderr and "Traceback" not in result.stderr
+  assert blocker.read_text() == "not a directory"
