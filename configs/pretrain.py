@@ -11,15 +11,14 @@ def get_config(variant: str = ""):
   config = defaults("pretrain")
   # The base must stay partially competent (room for RL): the arithmetic
   # domains get the larger share of a short budget.
-  config.data.weights = (1.0, 1.0, 0.5, 0.5, 0.5)
-  config.train.steps = 1000
+  config.data.weights = (1.0, 1.0, 0.5, 0.5, 1.5)
+  config.train.steps = 800
   if variant == "smoke":
     config.model.update(embed_dim=32, num_layers=1, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64)
     config.data.update(train_examples=64, test_examples=16)
     config.train.update(steps=6, batch_size=8, log_every=2, eval_every=4)
     config.checkpoint.update(every=3, keep=2)
-    config.sampling.max_new_tokens = 40
     config.eval.update(num_prompts=8, batch_size=8)
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/pretrain.py")

@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from mopd_jax.errors import CheckpointError
+
 
 
 class Checkpointer:
@@ -39,3 +41,48 @@ class Checkpointer:
     self._manager.wait_until_finished()
     self._manager.close()
 
+
+
+def load_params(run_dir: str, params_like: Any) -> Any:
+  """Parameters of the latest checkpoint of the run in ``run_dir``.
+
+  ``params_like`` (arrays or ``jax.ShapeDtypeStruct``s with shardings) gives
+  the expected structure; a checkpoint of another shape is a
+  ``CheckpointError`` naming the first mismatching parameter.
+  """
+  root = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), "ckpt")
+  if not os.path.isdir(root):
+    raise CheckpointError(f"{run_dir}: no checkpoints (no ckpt/ directory)")
+  manager = ocp.CheckpointManager(
+      root, item_handlers=ocp.PyTreeCheckpointHandler())
+  step = manager.latest_step()
+  if step is None:
+    raise CheckpointError(f"{run_dir}: no complete checkpoint in {root}")
+  stored = manager.item_metadata(step)
+  stored = getattr(stored, "tree", stored)["params"]
+  flat_stored = dict(_flatten(stored))
+  for path, like in _flatten(params_like):
+    have = flat_stored.get(path)
+    if have is None or tuple(have.shape) != tuple(like.shape):
+      found = "missing" if have is None else f"shape {tuple(have.shape)}"
+      raise CheckpointError(
+          f"{run_dir}: parameter {path} is {found} in the checkpoint of step"
+          f" {step}, expected shape {tuple(like.shape)}")
+  target = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                   params_like)}
+  restored = manager.restore(step, args=ocp.args.PyTreeRestore(
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(
+          target), partial_restore=True))
+  manager.close()
+  return restored["params"]
+
+
+def _flatten(tree) -> list[tuple[str, Any]]:
+  """``[("layers/q", leaf), ...]`` for a nested dict of arrays/metadata."""
+  out = []
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out += [(f"{key}/{k}", v) for k, v in _flatten(value)]
+    else:
+      out.append((key, value))
+  return out

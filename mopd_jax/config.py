@@ -20,7 +20,10 @@ from mopd_jax.errors import ConfigError
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.rollout.sampler import SamplingConfig
 
-METHODS = ("pretrain",)
+METHODS = ("pretrain", "grpo", "mix_rl")
+RL_METHODS = ("grpo", "mix_rl")
+ALL_DOMAINS = ("add", "chain", "instruct", "sort", "reverse")
+TRAIN_DOMAINS = ("add", "chain", "instruct", "sort")
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -36,31 +39,73 @@ def _sampling(**overrides) -> ml_collections.ConfigDict:
 
 
 def defaults(method: str) -> ml_collections.ConfigDict:
-  """The complete default config of ``method``."""
+  """The complete default config of ``method``.
+
+  ``pretrain`` builds a model from ``model``; the RL methods start from the
+  run in ``init`` and take its architecture from there. ``grpo`` trains one
+  ``domain``'s expert; ``mix_rl`` pools ``data.domains`` by ``data.weights``
+  (or the adaptive ``mixture``).
+  """
   if method not in METHODS:
     raise ConfigError(f"method: unknown method {method!r}; known: "
                       + ", ".join(METHODS))
+  rl = method in RL_METHODS
   c = ml_collections.ConfigDict()
   c.method = method
   c.seed = 0
-  c.model = _model()
+  if rl:
+    c.init = ""  # workdir of the run to start from (the base model)
+  else:
+    c.model = _model()
+  if method == "grpo":
+    c.domain = "add"
   c.data = ml_collections.ConfigDict(dict(
-      domains=("add", "chain", "instruct", "sort", "reverse"),
-      weights=(),  # empty: uniform over domains
       data_dir=os.path.join("~", ".cache", "mopd_jax", "tfds"),
       train_examples=20_000,
       test_examples=256,
       max_prompt_len=24,
+      # A JSONL file of {"prompt", "answer", "domain"} lines to evaluate on
+      # instead of the built-in test splits; empty: the built-in ones.
+      eval_jsonl="",
   ))
+  if method != "grpo":
+    c.data.domains = ALL_DOMAINS if method == "pretrain" else TRAIN_DOMAINS
+    c.data.weights = ()  # empty: uniform over domains
   c.train = ml_collections.ConfigDict(dict(
-      steps=1500, batch_size=32, log_every=25, eval_every=0))
+      steps=150 if rl else 1500, log_every=5 if rl else 25, eval_every=0))
+  if not rl:
+    c.train.batch_size = 32  # packed rows of max_prompt_len+max_new_tokens
   c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=3e-3, warmup_steps=100, end_lr_fraction=0.1,
-      weight_decay=0.01, b1=0.9, b2=0.95, grad_clip=1.0))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=250, keep=2))
+      learning_rate=2e-4 if rl else 3e-3, warmup_steps=5 if rl else 100,
+      end_lr_fraction=1.0 if rl else 0.1, weight_decay=0.0 if rl else 0.01,
+      b1=0.9, b2=0.99 if rl else 0.95, grad_clip=1.0))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=25 if rl else 250,
+                                                keep=2))
   c.sampling = _sampling()
   c.eval = ml_collections.ConfigDict(dict(
-      num_prompts=256, batch_size=128, temperature=1.0, greedy=True))
+      num_prompts=128 if rl else 256, batch_size=128, temperature=1.0,
+      greedy=True))
+  if rl:
+    c.eval.domains = ALL_DOMAINS  # transfer and forgetting, every eval
+    c.rl = ml_collections.ConfigDict(dict(
+        group_size=8,
+        prompts_per_step=16,
+        epochs=1,
+        minibatches=2,
+        advantage="grpo",  # grpo | drgrpo | rloo
+        advantage_eps=1e-6,
+        eps_low=0.2,
+        eps_high=0.28,
+        dual_clip=0.0,  # c > 1 bounds negative-advantage losses; 0: off
+        tis_cap=0.0,  # truncated sampler/trainer importance weight; 0: off
+        beta=0.0,  # KL-to-reference weight; 0: no reference forward at all
+        kl_estimator="k3",  # k1 | k2 | k3
+        aggregation="token_mean",  # | seq_mean_token_mean | constant
+        drop_equal_groups=False,
+    ))
+  if method == "mix_rl":
+    c.mixture = ml_collections.ConfigDict(dict(
+        adaptive=False, exploration=0.5, floor=0.05, momentum=0.9))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   return c
 
@@ -88,6 +133,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "float32 or bfloat16"),
     ("model.param_dtype", lambda v: v in ("float32", "bfloat16"),
      "float32 or bfloat16"),
+    ("init", lambda v: bool(v), "the workdir of the run to start from"),
     ("data.domains", lambda v: len(v) > 0, "a non-empty tuple of domains"),
     ("data.weights", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
@@ -114,6 +160,26 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("eval.num_prompts", _positive, "> 0"),
     ("eval.batch_size", _positive, "> 0"),
     ("eval.temperature", _non_negative, ">= 0"),
+    ("eval.domains", lambda v: len(v) > 0, "a non-empty tuple of domains"),
+    ("rl.group_size", lambda v: v >= 2, ">= 2"),
+    ("rl.prompts_per_step", _positive, "> 0"),
+    ("rl.epochs", _positive, "> 0"),
+    ("rl.minibatches", _positive, "> 0"),
+    ("rl.advantage", lambda v: v in ("grpo", "drgrpo", "rloo"),
+     "grpo, drgrpo or rloo"),
+    ("rl.advantage_eps", _positive, "> 0"),
+    ("rl.eps_low", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("rl.eps_high", _non_negative, ">= 0"),
+    ("rl.dual_clip", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+    ("rl.tis_cap", _non_negative, ">= 0 (0 disables)"),
+    ("rl.beta", _non_negative, ">= 0"),
+    ("rl.kl_estimator", lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
+    ("rl.aggregation",
+     lambda v: v in ("token_mean", "seq_mean_token_mean", "constant"),
+     "token_mean, seq_mean_token_mean or constant"),
+    ("mixture.exploration", _non_negative, ">= 0"),
+    ("mixture.floor", _non_negative, ">= 0"),
+    ("mixture.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
 )
 
 
@@ -150,6 +216,14 @@ def _get(config, path: str):
   return config
 
 
+def _has(config, path: str) -> bool:
+  for part in path.split("."):
+    if not isinstance(config, ml_collections.ConfigDict) or part not in config:
+      return False
+    config = config[part]
+  return True
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Check ``config`` against ``defaults(config.method)``; fill missing fields.
 
@@ -162,17 +236,35 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   full = schema
   full.update(config)
   for path, ok, what in _CHECKS:
-    if path.split(".")[0] in full and not ok(_get(full, path)):
+    if _has(full, path) and not ok(_get(full, path)):
       raise ConfigError(f"{path}: must be {what}, got {_get(full, path)!r}")
-  if full.model.num_heads % full.model.num_kv_heads:
+  if "model" in full and full.model.num_heads % full.model.num_kv_heads:
     raise ConfigError("model.num_kv_heads: must divide model.num_heads"
                       f" ({full.model.num_heads}), got"
                       f" {full.model.num_kv_heads}")
-  if full.data.weights and len(full.data.weights) != len(full.data.domains):
+  if _has(full, "data.weights") and full.data.weights and len(
+      full.data.weights) != len(full.data.domains):
     raise ConfigError(
         f"data.weights: {len(full.data.weights)} weights for"
         f" {len(full.data.domains)} domains")
+  if "rl" in full:
+    _validate_rl(full)
   return full
+
+
+def _validate_rl(full) -> None:
+  batch = full.rl.prompts_per_step * full.rl.group_size
+  if batch % full.rl.minibatches:
+    raise ConfigError(f"rl.minibatches: {full.rl.minibatches} does not divide"
+                      f" the {batch} sequences of a step")
+  if full.sampling.top_k or full.sampling.top_p < 1:
+    raise ConfigError("sampling.top_k: RL rollouts must sample the full"
+                      " distribution (top_k=0, top_p=1)")
+  if full.sampling.temperature <= 0:
+    raise ConfigError("sampling.temperature: RL rollouts need temperature > 0")
+  if "mixture" in full and full.mixture.floor * len(full.data.domains) >= 1:
+    raise ConfigError(f"mixture.floor: {full.mixture.floor} times"
+                      f" {len(full.data.domains)} domains must be < 1")
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:

@@ -60,9 +60,9 @@ def logical_sharding(mesh: Mesh, logical_specs: Any) -> Any:
   return nn.logical_to_mesh_sharding(logical_specs, mesh, RULES)
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  """Leading axis over (data, fsdp), the rest replicated."""
-  return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading axis over (data, fsdp), the rest replicated (any rank >= 1)."""
+  return NamedSharding(mesh, P(("data", "fsdp")))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -15,6 +15,7 @@ from ml_collections import config_flags
 
 from mopd_jax import config as config_lib
 from mopd_jax.errors import UserError
+from mopd_jax.stages.common import resolve_model, save_run_config
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/pretrain.py or"
@@ -24,7 +25,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None,
 flags.mark_flags_as_required(["config", "workdir"])
 
 # method -> module with ``run(config, workdir)``
-STAGES = {"pretrain": "mopd_jax.stages.pretrain"}
+STAGES = {"pretrain": "mopd_jax.stages.pretrain", "grpo": "mopd_jax.stages.rl",
+          "mix_rl": "mopd_jax.stages.rl"}
 
 
 def _fail(message: str) -> None:
@@ -53,6 +55,8 @@ def main(argv) -> None:
   try:
     config = config_lib.validate(_CONFIG.value)
     workdir = prepare_workdir(_WORKDIR.value)
+    resolve_model(config)
+    save_run_config(config, workdir)
     importlib.import_module(STAGES[config.method]).run(config, workdir)
   except UserError as e:
     _fail(str(e))

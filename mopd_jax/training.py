@@ -54,7 +54,8 @@ def write_json_atomic(path: str, payload: Any) -> None:
   os.replace(tmp, path)
 
 
-def _accumulate(total: dict, pairs: Mapping[str, tuple]) -> dict:
+def accumulate(total: dict, pairs: Mapping[str, tuple]) -> dict:
+  """Add ``{name: (sum, count)}`` pairs into ``total`` (in place)."""
   for k, (s, c) in pairs.items():
     s0, c0 = total.get(k, (0.0, 0.0))
     total[k] = (s0 + s, c0 + c)
@@ -68,7 +69,8 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
 
   Logs the means of the accumulated ``(sum, count)`` metrics every
   ``train.log_every`` steps, checkpoints every ``checkpoint.every`` steps and
-  at the end, and calls ``eval_fn`` every ``train.eval_every`` steps (if > 0).
+  at the end, and calls ``eval_fn`` every ``train.eval_every`` steps (if > 0)
+  and once at the end (again on a re-run of a finished run, without logging).
   """
   ckpt = Checkpointer(workdir, checkpoint.every, checkpoint.keep)
   start = ckpt.latest_step() or 0
@@ -83,7 +85,7 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
   try:
     for step in bar:
       state, pairs = step_fn(state, step)
-      pending = _accumulate(pending, pairs)
+      pending = accumulate(pending, pairs)
       done = step + 1
       if done % train.log_every == 0 or done == total_steps:
         scalars = means(pending)
@@ -97,7 +99,9 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
           done != total_steps):
         writer.write(done, eval_fn(state, done))
     if eval_fn:
-      writer.write(total_steps, eval_fn(state, total_steps))
+      scalars = eval_fn(state, total_steps)
+      if start < total_steps:  # a finished run re-run logs nothing twice
+        writer.write(total_steps, scalars)
   finally:
     bar.close()
     writer.close()

@@ -88,3 +88,15 @@ def test_cli_unwritable_workdir(tmp_path):
   assert result.returncode == 2
   assert "workdir" in result.stderr and "Traceback" not in result.stderr
   assert blocker.read_text() == "not a directory"
+
+
+def test_cli_malformed_eval_jsonl_names_file_and_line(tmp_path, data_dir):
+  path = tmp_path / "eval.jsonl"
+  path.write_text('{"prompt": "add 1+2=", "answer": "3", "domain": "add"}\n'
+                  '{"prompt": "add 1+2=", "answer": 3, "domain": "add"}\n')
+  result = _cli(f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}",
+                f"--config.data.data_dir={data_dir}",
+                f"--config.data.eval_jsonl={path}")
+  assert result.returncode == 2
+  assert f"{path}:2: field 'answer'" in result.stderr
+  assert "Traceback" not in result.stderr

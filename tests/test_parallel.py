@@ -1,7 +1,6 @@
 """Sharded forward and train step on 8 fake CPU devices equal one device."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

@@ -96,10 +96,10 @@ class _ExactMatch(Domain):
 
 
 class _Add(_ExactMatch):
-  """``add 47+85=`` -> ``132``, operands uniform in 0..199."""
+  """``add 47+85=`` -> ``132``, operands uniform in 0..99."""
 
   def _sample(self, rng: np.random.Generator) -> tuple[str, str]:
-    a, b = (int(x) for x in rng.integers(0, 200, 2))
+    a, b = (int(x) for x in rng.integers(0, 100, 2))
     return f"add {a}+{b}=", str(a + b)
 
 
@@ -173,7 +173,7 @@ class _Reverse(_ExactMatch):
 
 DOMAINS: dict[str, Domain] = {
     d.name: d for d in (
-        _Add("add", False, "two-operand addition, operands 0..199"),
+        _Add("add", False, "two-operand addition, operands 0..99"),
         _Chain("chain", False,
                "step-by-step sum of 3 to 5 terms; only the total is checked"),
         _Instruct("instruct", False,

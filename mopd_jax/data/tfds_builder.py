@@ -44,10 +44,11 @@ class MopdDomains(tfds.core.GeneratorBasedBuilder):
 
   # Bump whenever a domain generator changes what it draws: built datasets are
   # reused by version, so a stale one would otherwise be served silently.
-  VERSION = tfds.core.Version("1.1.0")
+  VERSION = tfds.core.Version("1.2.0")
   RELEASE_NOTES: ClassVar[dict[str, str]] = {
       "1.0.0": "Initial release.",
       "1.1.0": "Harder instruct (4-8 letter words) and sort (4-7 letters).",
+      "1.2.0": "add operands 0..99 instead of 0..199.",
   }
   BUILDER_CONFIGS: ClassVar[list[DomainConfig]] = [
       DomainConfig(name=name, domain=name, description=d.description)
@@ -153,6 +154,9 @@ def load_split(domain: str,
       config=_config_for(domain, num_train, num_test, seed),
       data_dir=data_dir,
       file_format="array_record")
-  # A no-op when the dataset is already prepared in data_dir.
-  builder.download_and_prepare(file_format="array_record")
+  if not builder.is_prepared():
+    print(f"building the {domain!r} dataset in {builder.data_dir}")
+    # TFDS's own per-shard progress bars would bury the training output.
+    tfds.display_progress_bar(False)
+    builder.download_and_prepare(file_format="array_record")
   return ExampleSource(builder.as_data_source(split))

@@ -135,6 +135,18 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
   return rollout
 
 
+def completion_logits(params, cfg: ModelConfig, prompt, prompt_mask,
+                      completion, completion_mask,
+                      sampling: SamplingConfig) -> jax.Array:
+  """Sampling-policy logits [B, N, V] at every completion position, from one
+  full forward pass over ``prompt ++ completion`` (no cache)."""
+  tokens = jnp.concatenate([prompt, completion], axis=1)
+  segments = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(
+      jnp.int32)
+  logits, _ = decoder.apply(params, cfg, tokens, segments)
+  return policy_logits(logits[:, prompt.shape[1] - 1:-1], sampling)
+
+
 def sequence_logprobs(params, cfg: ModelConfig, prompt, prompt_mask,
                       rollout: Rollout, sampling: SamplingConfig) -> jax.Array:
   """Sampling-policy log-probs of ``rollout`` from one full forward pass.
@@ -142,10 +154,6 @@ def sequence_logprobs(params, cfg: ModelConfig, prompt, prompt_mask,
   The no-cache reference for the sampler: the log-probs must match
   ``rollout.logprobs`` where ``rollout.mask`` is 1.
   """
-  tokens = jnp.concatenate([prompt, rollout.completion], axis=1)
-  segments = jnp.concatenate([prompt_mask, rollout.mask], axis=1).astype(
-      jnp.int32)
-  logits, _ = decoder.apply(params, cfg, tokens, segments)
-  width = prompt.shape[1]
-  z = policy_logits(logits[:, width - 1:-1], sampling)
+  z = completion_logits(params, cfg, prompt, prompt_mask, rollout.completion,
+                        rollout.mask, sampling)
   return jnp.where(rollout.mask > 0, token_logprobs(z, rollout.completion), 0.0)

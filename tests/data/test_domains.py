@@ -82,7 +82,7 @@ def test_prompts_start_with_a_domain_keyword():
 def test_examples_are_correct():
   for ex in domains.generate("add", "train", 300, seed=4):
     a, b = ex.prompt[len("add "):-1].split("+")
-    assert 0 <= int(a) <= 199 and 0 <= int(b) <= 199
+    assert 0 <= int(a) <= 99 and 0 <= int(b) <= 99
     assert int(ex.answer) == int(a) + int(b)
   for ex in domains.generate("chain", "train", 300, seed=4):
     terms = [int(t) for t in ex.prompt[len("sum "):-1].split()]
@@ -92,7 +92,7 @@ def test_examples_are_correct():
     assert len(steps.rstrip(";").split(";")) == len(terms) - 1
   for ex in domains.generate("sort", "train", 300, seed=4):
     word = ex.prompt[len("sort "):-1]
-    assert 3 <= len(word) <= 6 and ex.answer == "".join(sorted(word))
+    assert 4 <= len(word) <= 7 and ex.answer == "".join(sorted(word))
   for ex in domains.generate("reverse", "train", 300, seed=4):
     word = ex.prompt[len("rev "):-1]
     assert 3 <= len(word) <= 5 and ex.answer == word[::-1]
@@ -105,7 +105,7 @@ def test_instruct_examples():
     assert 1 <= len(ex.answer) <= 3, ex
     words = ex.prompt[:-1].split()
     word = words[-1]
-    assert 3 <= len(word) <= 7
+    assert 4 <= len(word) <= 8
     if words[0] == "first":
       assert ex.answer == word[:int(words[1])]
     elif words[0] == "last":

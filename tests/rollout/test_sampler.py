@@ -14,6 +14,13 @@ CFG = ModelConfig(vocab_size=30, embed_dim=32, num_layers=2, num_heads=4,
 EOS = 2
 
 
+def _full_logits(params, prompt, mask, out):
+  """Logits of one plain forward pass over prompt + completion."""
+  tokens = jnp.concatenate([prompt, out.completion], 1)
+  segments = jnp.concatenate([mask, out.mask], 1)
+  return decoder.apply(params, CFG, tokens, segments)[0]
+
+
 @pytest.fixture(scope="module")
 def setup():
   params = decoder.init_params(CFG, jax.random.key(0))
@@ -48,9 +55,7 @@ def test_temperature_one_logprobs_are_model_logprobs(setup):
   params, prompt, mask = setup
   sampling = SETTINGS[0]
   out = sampler.sample(params, CFG, prompt, mask, jax.random.key(2), sampling)
-  tokens = jnp.concatenate([prompt, out.completion], 1)
-  seg = jnp.concatenate([mask, out.mask], 1)
-  logits = np.asarray(decoder.apply(params, CFG, tokens, seg)[0], np.float64)
+  logits = np.asarray(_full_logits(params, prompt, mask, out), np.float64)
   P = prompt.shape[1]
   comp, m = np.asarray(out.completion), np.asarray(out.mask)
   for b in range(prompt.shape[0]):
@@ -107,9 +112,7 @@ def test_greedy_takes_argmax(setup):
   params, prompt, mask = setup
   sampling = SETTINGS[2]
   out = sampler.sample(params, CFG, prompt, mask, jax.random.key(0), sampling)
-  tokens = jnp.concatenate([prompt, out.completion], 1)
-  seg = jnp.concatenate([mask, out.mask], 1)
-  logits = decoder.apply(params, CFG, tokens, seg)[0]
+  logits = _full_logits(params, prompt, mask, out)
   P = prompt.shape[1]
   pred = np.asarray(jnp.argmax(logits[:, P - 1:-1], -1))
   m = np.asarray(out.mask, bool)

@@ -1,0 +1,151 @@
+"""What every stage sets up the same way: tokenizer and model config, mesh,
+domain data, parameters (fresh or from an earlier run) and evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import jax
+import ml_collections
+
+from mopd_jax import checkpointing, parallel, training
+from mopd_jax import config as config_lib
+from mopd_jax.data import tfds_builder
+from mopd_jax.data.domains import get_domain
+from mopd_jax.data.jsonl import load_jsonl
+from mopd_jax.errors import CheckpointError, ConfigError
+from mopd_jax.evaluation import accuracy
+from mopd_jax.models import decoder
+from mopd_jax.models.tokenizer import CharTokenizer
+
+CONFIG_FILE = "config.json"
+
+
+def save_run_config(config, workdir: str) -> None:
+  """``<workdir>/config.json``: how the run was configured (model included),
+  read back by later stages that start from this run."""
+  training.write_json_atomic(os.path.join(workdir, CONFIG_FILE),
+                             config.to_dict())
+
+
+def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
+  path = os.path.join(os.path.abspath(os.path.expanduser(run_dir)),
+                      CONFIG_FILE)
+  try:
+    with open(path, encoding="utf-8") as f:
+      return ml_collections.ConfigDict(json.load(f))
+  except FileNotFoundError:
+    raise CheckpointError(f"{run_dir}: not a mopd_jax run directory (no"
+                          f" {CONFIG_FILE})") from None
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path}: unreadable ({e})") from None
+
+
+def resolve_model(config) -> None:
+  """Give a stage that starts from ``config.init`` that run's architecture
+  (the ``model`` section comes with the weights), so its own config.json
+  names the model too."""
+  if "init" in config and config.init:
+    config.model = load_run_config(config.init).model
+
+
+def setup(config):
+  """``(tokenizer, model_cfg, mesh)`` for ``config``, checked together."""
+  tokenizer = CharTokenizer()
+  model_cfg = config_lib.model_config(config)
+  if model_cfg.vocab_size != tokenizer.vocab_size:
+    raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size} differs from"
+                      f" the tokenizer's {tokenizer.vocab_size}")
+  mesh = parallel.make_mesh(**config.mesh)
+  return tokenizer, model_cfg, mesh
+
+
+def check_divisible(mesh, batch: int, field: str) -> None:
+  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  if batch % data_parallel:
+    raise ConfigError(f"{field}: {batch} is not a multiple of the"
+                      f" {data_parallel} data-parallel devices")
+
+
+def init_params(model_cfg, mesh, seed: int):
+  """Random parameters, created already sharded over ``mesh``."""
+  shardings = parallel.logical_sharding(mesh, decoder.logical_axes(model_cfg))
+  init = jax.jit(decoder.init_params, static_argnums=0,
+                 out_shardings=shardings)
+  with parallel.activate(mesh):
+    return init(model_cfg, jax.random.key(seed))
+
+
+def load_params(run_dir: str, model_cfg, mesh):
+  """The final parameters of an earlier run, sharded over ``mesh``."""
+  shapes = jax.eval_shape(
+      lambda: decoder.init_params(model_cfg, jax.random.key(0)))
+  shardings = parallel.logical_sharding(mesh, decoder.logical_axes(model_cfg))
+  like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                         sharding=sh),
+                      shapes, shardings)
+  return checkpointing.load_params(run_dir, like)
+
+
+def domain_splits(config, names: Sequence[str], split: str) -> dict:
+  """``{domain: examples}`` of one split of the built-in TFDS datasets."""
+  data_dir = os.path.expanduser(config.data.data_dir)
+  for name in names:
+    get_domain(name)  # unknown names fail here, with the list of known ones
+  return {name: tfds_builder.load_split(
+      name, split, data_dir, num_train=config.data.train_examples,
+      num_test=config.data.test_examples) for name in names}
+
+
+def eval_sets(config, names: Sequence[str]) -> dict:
+  """Test examples per domain: the built-in test splits, or the user's
+  ``data.eval_jsonl`` file when set."""
+  if not config.data.eval_jsonl:
+    return domain_splits(config, names, "test")
+  sets: dict = {}
+  for example in load_jsonl(os.path.expanduser(config.data.eval_jsonl)):
+    sets.setdefault(example.domain, []).append(example)
+  return sets
+
+
+def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None):
+  """Sampled (``eval.temperature``) and greedy accuracy on every domain.
+
+  Prints a table, returns ``eval/<mode>/<domain>/<metric>`` scalars, and
+  hands the final step's scalars to ``on_final``.
+  """
+  key = jax.random.fold_in(jax.random.key(config.seed), 1)
+  subsets = {d: list(exs)[:config.eval.num_prompts] for d, exs in test.items()}
+  modes = {"sampled": config.eval.temperature}
+  if config.eval.greedy:
+    modes["greedy"] = 0.0
+
+  def eval_fn(state, step):
+    results = {}
+    with parallel.activate(mesh):
+      for mode, temperature in modes.items():
+        sampling = config_lib.sampling_config(config.sampling, tokenizer,
+                                              temperature=temperature)
+        results[mode] = accuracy.evaluate(
+            state["params"], model_cfg, tokenizer, subsets, sampling,
+            jax.random.fold_in(key, step), config.eval.batch_size,
+            config.data.max_prompt_len)
+    print(f"\nevaluation at step {step}:\n" + accuracy.format_table(results))
+    scalars = {f"eval/{mode}/{d}/{metric}": value
+               for mode, r in results.items() for d, m in r.items()
+               for metric, value in m.items()}
+    if on_final and step == config.train.steps:
+      on_final(scalars)
+    return scalars
+
+  return eval_fn
+
+
+def write_eval(workdir: str, step: int):
+  """An ``on_final`` callback writing ``<workdir>/eval.json`` atomically."""
+  def write(scalars):
+    training.write_json_atomic(os.path.join(workdir, "eval.json"),
+                               {"step": step, **scalars})
+  return write

@@ -1,0 +1,231 @@
+"""RLVR with the GRPO family: one domain's expert (``grpo``) or one run over
+the pooled domains (``mix_rl``, proportions fixed or adaptive).
+
+One step: draw ``rl.prompts_per_step`` prompts (domain ``d ~ w``), sample
+``rl.group_size`` completions each at the policy temperature, grade them with
+the domains' verifiers, turn rewards into group advantages, then take
+``rl.epochs x rl.minibatches`` optimiser steps on the clipped policy-gradient
+loss with the rollout-time log-probs as ``pi_old``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mopd_jax import config as config_lib
+from mopd_jax import parallel, training
+from mopd_jax.data import batching, mixture
+from mopd_jax.data.domains import get_domain
+from mopd_jax.objectives import grpo
+from mopd_jax.ops.logprobs import token_logprobs
+from mopd_jax.reductions import masked_sum_count
+from mopd_jax.rollout import sampler
+from mopd_jax.stages import common
+
+
+def rl_domains(config) -> tuple[str, ...]:
+  return (config.domain,) if config.method == "grpo" else tuple(
+      config.data.domains)
+
+
+def draw_prompts(train_sets, weights: np.ndarray, count: int, seed: int,
+                 step: int):
+  """``count`` examples of step ``step`` and their domain indices:
+  ``d ~ w``, then an example of ``d`` uniformly, from ``rng(seed, step)``."""
+  rng = np.random.default_rng([seed, step])
+  ids = rng.choice(len(train_sets), size=count, p=weights)
+  return [train_sets[d][int(rng.integers(len(train_sets[d])))]
+          for d in ids], ids
+
+
+def entropy(z: jax.Array) -> jax.Array:
+  """``H = logsumexp(z) - sum_v softmax(z)_v z_v`` per position."""
+  p = jax.nn.softmax(z, axis=-1)
+  return jax.nn.logsumexp(z, axis=-1) - jnp.sum(
+      p * jnp.where(jnp.isfinite(z), z, 0.0), axis=-1)
+
+
+def make_loss(model_cfg, sampling, rl):
+  """Minibatch loss: clipped PG (+ beta KL to the reference), aggregated."""
+
+  def loss_fn(params, mb):
+    z = sampler.completion_logits(params, model_cfg, mb["prompt"],
+                                  mb["prompt_mask"], mb["completion"],
+                                  mb["mask"], sampling)
+    logp = token_logprobs(z, mb["completion"])
+    per_token, clipped = grpo.clipped_policy_loss(
+        logp, mb["old_logp"], mb["advantages"], rl.eps_low, rl.eps_high,
+        rl.dual_clip, mb.get("behaviour_logp"), rl.tis_cap)
+    mask = mb["mask"] * mb["keep"][:, None]
+    drift = grpo.kl_penalty(logp, mb["old_logp"], "k3")
+    metrics = {"clip_fraction": masked_sum_count(clipped, mask),
+               "entropy": masked_sum_count(entropy(z), mask),
+               "kl_to_old": masked_sum_count(drift, mask)}
+    if rl.beta > 0:
+      kl = grpo.kl_penalty(logp, mb["ref_logp"], rl.kl_estimator)
+      per_token = per_token + rl.beta * kl
+      metrics["kl"] = masked_sum_count(kl, mask)
+    total, count = grpo.aggregate(per_token, mask, rl.aggregation,
+                                  sampling.max_new_tokens)
+    metrics["loss"] = (total, count)
+    return total / jnp.maximum(count, 1.0), metrics
+
+  return loss_fn
+
+
+def make_update(loss_fn, optimizer):
+  """One jitted optimiser step on a minibatch: ``(train, mb) -> (train,
+  metrics)`` with ``train = {params, opt_state}`` (donated)."""
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def update(train, mb):
+    grads, metrics = jax.grad(loss_fn, has_aux=True)(train["params"], mb)
+    updates, opt_state = optimizer.update(grads, train["opt_state"],
+                                          train["params"])
+    params = jax.tree.map(jnp.add, train["params"], updates)
+    return dict(params=params, opt_state=opt_state), metrics
+
+  return update
+
+
+def optimise(train, data: dict, update, rl, rng: np.random.Generator,
+             sharding=None):
+  """``rl.epochs`` passes over the rollout batch ``data`` (per-sequence
+  arrays), each in ``rl.minibatches`` shuffled minibatches; the log-probs in
+  ``data["old_logp"]`` stay ``pi_old`` throughout. Returns the new
+  ``train`` and the accumulated ``(sum, count)`` metrics."""
+  batch = len(data["advantages"])
+  size = batch // rl.minibatches
+  pairs: dict = {}
+  for _ in range(rl.epochs):
+    order = rng.permutation(batch)
+    for m in range(rl.minibatches):
+      idx = order[m * size:(m + 1) * size]
+      mb = {k: v[idx] for k, v in data.items()}
+      if sharding is not None:
+        mb = jax.device_put(mb, sharding)
+      train, metrics = update(train, mb)
+      pairs = training.accumulate(pairs, metrics)
+  return train, pairs
+
+
+def rollout_batch(rollout, prompt, prompt_mask, rewards: np.ndarray, rl):
+  """The per-sequence arrays the loss needs, from a rollout and its rewards:
+  group advantages, and ``keep`` = 0 on all-equal groups when
+  ``rl.drop_equal_groups`` (they carry no signal)."""
+  advantages = np.asarray(grpo.group_advantages(
+      jnp.asarray(rewards), rl.group_size, rl.advantage, rl.advantage_eps))
+  informative = np.repeat(np.asarray(grpo.informative_groups(
+      jnp.asarray(rewards), rl.group_size)), rl.group_size)
+  keep = informative if rl.drop_equal_groups else np.ones_like(informative)
+  data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
+              completion=np.asarray(rollout.completion),
+              mask=np.asarray(rollout.mask),
+              old_logp=np.asarray(rollout.logprobs), advantages=advantages,
+              keep=keep.astype(np.float32))
+  return data, informative
+
+
+def run(config, workdir: str):
+  """Train an expert (``grpo``) or the Mix RL model; returns the state."""
+  tokenizer, model_cfg, mesh = common.setup(config)
+  rl = config.rl
+  batch = rl.prompts_per_step * rl.group_size
+  common.check_divisible(mesh, batch // rl.minibatches, "rl.minibatches")
+  names = rl_domains(config)
+  splits = common.domain_splits(config, names, "train")
+  train_sets = [splits[d] for d in names]
+  verifiers = [get_domain(d).verify for d in names]
+  base = mixture.base_weights(names, () if config.method == "grpo"
+                              else config.data.weights)
+  adaptive = config.method == "mix_rl" and config.mixture.adaptive
+  test_sets = common.eval_sets(config, config.eval.domains)
+  sampling = config_lib.sampling_config(config.sampling, tokenizer)
+
+  optimizer = training.make_optimizer(config.optim, config.train.steps)
+  params = common.load_params(config.init, model_cfg, mesh)
+  ref_params = params if rl.beta > 0 else None
+  explore, floor = ((config.mixture.exploration, config.mixture.floor)
+                    if adaptive else (0.0, 0.0))
+  momentum = config.mixture.momentum if adaptive else 0.0
+  with parallel.activate(mesh):
+    state = training.init_state(params, optimizer)
+  state["mixture"] = mixture.init_state(len(names))
+  update = make_update(make_loss(model_cfg, sampling, rl), optimizer)
+
+  @jax.jit
+  def policy_logprobs(params, prompt, prompt_mask, completion, mask):
+    z = sampler.completion_logits(params, model_cfg, prompt, prompt_mask,
+                                  completion, mask, sampling)
+    return token_logprobs(z, completion)
+
+  key = jax.random.fold_in(jax.random.key(config.seed), 2)
+  shard = parallel.batch_sharding(mesh)
+
+  def step_fn(state, step):
+    weights = mixture.proportions(base, state["mixture"], adaptive, explore,
+                                  floor)
+    examples, ids = draw_prompts(train_sets, weights, rl.prompts_per_step,
+                                 config.seed, step)
+    prompt, prompt_mask = batching.encode_prompts(
+        [e.prompt for e in examples for _ in range(rl.group_size)], tokenizer,
+        config.data.max_prompt_len)
+    with parallel.activate(mesh):
+      rollout = sampler.sample(state["params"], model_cfg, prompt, prompt_mask,
+                               jax.random.fold_in(key, step), sampling)
+    completion = np.asarray(rollout.completion)
+    mask = np.asarray(rollout.mask)
+    seq_ids = np.repeat(ids, rl.group_size)
+    rewards = np.array([
+        verifiers[d](tokenizer.decode(row), examples[i // rl.group_size].answer)
+        for i, (d, row) in enumerate(zip(seq_ids, completion))], np.float32)
+    data, informative = rollout_batch(rollout, prompt, prompt_mask, rewards,
+                                      rl)
+    advantages = data["advantages"]
+    with parallel.activate(mesh):
+      if ref_params is not None:
+        data["ref_logp"] = np.asarray(policy_logprobs(
+            ref_params, prompt, prompt_mask, completion, mask))
+      if rl.tis_cap > 0:
+        # pi_old as the trainer computes it; the sampler's own log-probs
+        # only enter the truncated importance weight.
+        data["behaviour_logp"] = data["old_logp"]
+        data["old_logp"] = np.asarray(policy_logprobs(
+            state["params"], prompt, prompt_mask, completion, mask))
+
+    train = dict(params=state["params"], opt_state=state["opt_state"])
+    with parallel.activate(mesh):
+      train, pairs = optimise(train, data, update, rl,
+                              np.random.default_rng([config.seed, step, 1]),
+                              shard)
+    group_signal = np.abs(advantages).reshape(-1, rl.group_size).mean(1)
+    new_state = dict(train, step=state["step"] + 1,
+                     mixture=mixture.update_state(
+                         state["mixture"], ids, group_signal, momentum))
+    lengths = mask.sum(1).astype(np.float32)
+    pairs.update({
+        "reward": (rewards.sum(), batch),
+        "response_length": (lengths.sum(), batch),
+        "advantage_abs": (np.abs(advantages).sum(), batch),
+        "advantage_std": (float(np.std(advantages)), 1.0),
+        "informative_groups": (informative.sum() / rl.group_size,
+                               rl.prompts_per_step),
+    })
+    for d, name in enumerate(names):
+      mine = seq_ids == d
+      pairs[f"share/prompts/{name}"] = (mine.sum(), batch)
+      pairs[f"share/tokens/{name}"] = (lengths[mine].sum(), lengths.sum())
+      pairs[f"reward/{name}"] = (rewards[mine].sum(), mine.sum())
+      pairs[f"weight/{name}"] = (weights[d], 1.0)
+    return new_state, pairs
+
+  eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test_sets, mesh,
+                                common.write_eval(workdir, config.train.steps))
+  return training.run_loop(workdir, state, step_fn, config.train.steps,
+                           config.checkpoint, config.train, eval_fn,
+                           desc=config.method if config.method != "grpo"
+                           else f"grpo[{config.domain}]")
