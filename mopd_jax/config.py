@@ -16,14 +16,14 @@ from typing import Any, Callable
 
 import ml_collections
 
+from mopd_jax.data.domains import DOMAINS, TRAIN_DOMAINS
 from mopd_jax.errors import ConfigError
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.rollout.sampler import SamplingConfig
 
 METHODS = ("pretrain", "grpo", "mix_rl")
 RL_METHODS = ("grpo", "mix_rl")
-ALL_DOMAINS = ("add", "chain", "instruct", "sort", "reverse")
-TRAIN_DOMAINS = ("add", "chain", "instruct", "sort")
+ALL_DOMAINS = tuple(DOMAINS)
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -134,7 +134,9 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model.param_dtype", lambda v: v in ("float32", "bfloat16"),
      "float32 or bfloat16"),
     ("init", lambda v: bool(v), "the workdir of the run to start from"),
-    ("data.domains", lambda v: len(v) > 0, "a non-empty tuple of domains"),
+    ("domain", lambda v: v in ALL_DOMAINS, "one of " + ", ".join(ALL_DOMAINS)),
+    ("data.domains", lambda v: len(v) > 0 and set(v) <= set(ALL_DOMAINS),
+     "a non-empty tuple of " + ", ".join(ALL_DOMAINS)),
     ("data.weights", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
     ("data.train_examples", _positive, "> 0"),
@@ -160,7 +162,8 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("eval.num_prompts", _positive, "> 0"),
     ("eval.batch_size", _positive, "> 0"),
     ("eval.temperature", _non_negative, ">= 0"),
-    ("eval.domains", lambda v: len(v) > 0, "a non-empty tuple of domains"),
+    ("eval.domains", lambda v: len(v) > 0 and set(v) <= set(ALL_DOMAINS),
+     "a non-empty tuple of " + ", ".join(ALL_DOMAINS)),
     ("rl.group_size", lambda v: v >= 2, ">= 2"),
     ("rl.prompts_per_step", _positive, "> 0"),
     ("rl.epochs", _positive, "> 0"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -53,7 +54,7 @@ def main(argv) -> None:
     _fail(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)  # keep library chatter off the bar
   try:
-    config = config_lib.validate(_CONFIG.value)
+    config = config_lib.validate(_load_config())
     workdir = prepare_workdir(_WORKDIR.value)
     resolve_model(config)
     save_run_config(config, workdir)
@@ -62,11 +63,40 @@ def main(argv) -> None:
     _fail(str(e))
 
 
+def _flag_error(error: Exception, argv) -> str:
+  """One line for an exception raised while parsing flags and overrides."""
+  text = str(error)
+  if isinstance(error, (AttributeError, KeyError)):  # unknown config field
+    field = re.search(r"[A-Za-z_][A-Za-z0-9_]*", text)
+    field = field.group() if field else "?"
+    path = next((a.split("=", 1)[0][len("--config."):] for a in argv
+                 if a.startswith("--config.") and a.split("=", 1)[0].endswith(
+                     "." + field)), field)
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    return f"{path}: unknown field" + (
+        f" (did you mean {hint.group(1)!r}?)" if hint else "")
+  return " ".join(text.split()) or type(error).__name__
+
+
 def _parse_flags(argv):
+  # Everything raised here comes from the command line or the config file
+  # (unknown override, bad value, broken config file): one line, exit 2.
   try:
     return flags.FLAGS(argv)
-  except (flags.Error, UserError) as e:
-    _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+  except Exception as e:  # pylint: disable=broad-except
+    _fail(_flag_error(e, argv))
+
+
+def _load_config():
+  """The config, or a UserError when its file could not be loaded (which
+  ml_collections reports only on first access)."""
+  try:
+    config = _CONFIG.value
+    "method" in config  # pylint: disable=pointless-statement
+    return config
+  except OSError as e:
+    last = [l.strip() for l in str(e).splitlines() if l.strip()][-1]
+    raise UserError(f"--config: cannot load the config file: {last}") from None
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def _cli(*args, env=None):
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("--config.train.stepz=3", "stepz"),
+    ("--config.train.stepz=3", "train.stepz: unknown field"),
+    ("--config.trainn.steps=3", "trainn: unknown field"),
     ("--config.train.steps=abc", "steps"),
     ("--config.train.steps=0", "train.steps"),
     ("--config.data.domains=('add','poetry')", "poetry"),
@@ -79,6 +80,12 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, override, needle):
   lines = [l for l in result.stderr.splitlines() if l.strip()]
   assert len(lines) == 1 and needle in lines[0], result.stderr
   assert "Traceback" not in result.stderr
+
+
+def test_cli_missing_config_file(tmp_path):
+  result = _cli(f"--config={tmp_path / 'nope.py'}", f"--workdir={tmp_path}")
+  assert result.returncode == 2 and "nope.py" in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_cli_unwritable_workdir(tmp_path):
@@ -100,3 +107,33 @@ def test_cli_malformed_eval_jsonl_names_file_and_line(tmp_path, data_dir):
   assert result.returncode == 2
   assert f"{path}:2: field 'answer'" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda c: c.rl.__setattr__("minibatches", 3), "rl.minibatches"),
+    (lambda c: c.rl.__setattr__("advantage", "ppo"), "rl.advantage"),
+    (lambda c: c.rl.__setattr__("group_size", 1), "rl.group_size"),
+    (lambda c: c.rl.__setattr__("dual_clip", 0.5), "rl.dual_clip"),
+    (lambda c: c.sampling.__setattr__("top_k", 5), "sampling.top_k"),
+    (lambda c: c.__setattr__("domain", "poetry"), "domain"),
+    (lambda c: c.eval.__setattr__("domains", ("add", "x")), "eval.domains"),
+])
+def test_rl_fields_are_checked(mutate, field):
+  cfg = config_lib.defaults("grpo")
+  cfg.init = "runs/base"
+  mutate(cfg)
+  with pytest.raises(ConfigError) as err:
+    config_lib.validate(cfg)
+  assert str(err.value).startswith(field + ":")
+
+
+def test_mix_rl_floor_and_weights_are_checked():
+  cfg = config_lib.defaults("mix_rl")
+  cfg.init = "runs/base"
+  cfg.mixture.floor = 0.3
+  with pytest.raises(ConfigError, match=r"^mixture\.floor:"):
+    config_lib.validate(cfg)
+  cfg.mixture.floor = 0.05
+  cfg.data.weights = (1.0, 1.0)
+  with pytest.raises(ConfigError, match=r"^data\.weights:"):
+    config_lib.validate(cfg)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import jax
-import ml_collections
 import numpy as np
 import optax
 import pytest
