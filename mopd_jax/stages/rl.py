@@ -122,11 +122,15 @@ def rollout_batch(rollout, prompt, prompt_mask, rewards: np.ndarray, rl):
   informative = np.repeat(np.asarray(grpo.informative_groups(
       jnp.asarray(rewards), rl.group_size)), rl.group_size)
   keep = informative if rl.drop_equal_groups else np.ones_like(informative)
+  # Train only on the columns some completion reached, rounded up to a
+  # multiple of 8 so that few distinct shapes are compiled.
+  mask = np.asarray(rollout.mask)
+  width = min(mask.shape[1], -(-max(int(mask.sum(1).max()), 1) // 8) * 8)
   data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
-              completion=np.asarray(rollout.completion),
-              mask=np.asarray(rollout.mask),
-              old_logp=np.asarray(rollout.logprobs), advantages=advantages,
-              keep=keep.astype(np.float32))
+              completion=np.asarray(rollout.completion)[:, :width],
+              mask=mask[:, :width],
+              old_logp=np.asarray(rollout.logprobs)[:, :width],
+              advantages=advantages, keep=keep.astype(np.float32))
   return data, informative
 
 
@@ -178,14 +182,14 @@ def run(config, workdir: str):
       rollout = sampler.sample(state["params"], model_cfg, prompt, prompt_mask,
                                jax.random.fold_in(key, step), sampling)
     completion = np.asarray(rollout.completion)
-    mask = np.asarray(rollout.mask)
     seq_ids = np.repeat(ids, rl.group_size)
     rewards = np.array([
         verifiers[d](tokenizer.decode(row), examples[i // rl.group_size].answer)
         for i, (d, row) in enumerate(zip(seq_ids, completion))], np.float32)
     data, informative = rollout_batch(rollout, prompt, prompt_mask, rewards,
                                       rl)
-    advantages = data["advantages"]
+    advantages, completion, mask = (data["advantages"], data["completion"],
+                                    data["mask"])
     with parallel.activate(mesh):
       if ref_params is not None:
         data["ref_logp"] = np.asarray(policy_logprobs(
