@@ -72,7 +72,7 @@ def defaults(method: str) -> ml_collections.ConfigDict:
     c.data.domains = ALL_DOMAINS if method == "pretrain" else TRAIN_DOMAINS
     c.data.weights = ()  # empty: uniform over domains
   c.train = ml_collections.ConfigDict(dict(
-      steps=150 if rl else 1500, log_every=5 if rl else 25, eval_every=0))
+      steps=300 if rl else 1500, log_every=5 if rl else 25, eval_every=0))
   if not rl:
     c.train.batch_size = 32  # packed rows of max_prompt_len+max_new_tokens
   c.optim = ml_collections.ConfigDict(dict(
@@ -83,15 +83,14 @@ def defaults(method: str) -> ml_collections.ConfigDict:
                                                 keep=2))
   c.sampling = _sampling()
   c.eval = ml_collections.ConfigDict(dict(
-      num_prompts=128 if rl else 256, batch_size=128, temperature=1.0,
-      greedy=True))
+      num_prompts=256, batch_size=128, temperature=1.0, greedy=True))
   if rl:
     c.eval.domains = ALL_DOMAINS  # transfer and forgetting, every eval
     c.rl = ml_collections.ConfigDict(dict(
         group_size=8,
-        prompts_per_step=16,
+        prompts_per_step=32,
         epochs=1,
-        minibatches=2,
+        minibatches=1,
         advantage="grpo",  # grpo | drgrpo | rloo
         advantage_eps=1e-6,
         eps_low=0.2,
