@@ -9,17 +9,14 @@ Batches are drawn by ``data.weights`` (uniform by default); with
 domain's mean |advantage|, floored at ``mixture.floor``. Variants: ``:smoke``.
 """
 
-from mopd_jax.config import defaults
+from mopd_jax.config import defaults, shrink_for_smoke
 
 
 def get_config(variant: str = ""):
   config = defaults("mix_rl")
   if variant == "smoke":
+    shrink_for_smoke(config)
     config.rl.update(prompts_per_step=8, group_size=4, minibatches=2)
-    config.train.update(steps=4, log_every=2, eval_every=0)
-    config.checkpoint.update(every=2, keep=2)
-    config.data.update(train_examples=64, test_examples=16)
-    config.eval.update(num_prompts=8, batch_size=8)
     config.mixture.adaptive = True
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/mix_rl.py")

@@ -4,7 +4,7 @@ Every field and its default lives in ``mopd_jax/config.py``; this file sets
 what the base run changes. Variants: ``:smoke`` (seconds, for tests).
 """
 
-from mopd_jax.config import defaults
+from mopd_jax.config import defaults, shrink_for_smoke
 
 
 def get_config(variant: str = ""):
@@ -14,12 +14,10 @@ def get_config(variant: str = ""):
   config.data.weights = (1.0, 1.0, 0.5, 0.5, 1.5)
   config.train.steps = 800
   if variant == "smoke":
+    shrink_for_smoke(config)
     config.model.update(embed_dim=32, num_layers=1, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64)
-    config.data.update(train_examples=64, test_examples=16)
-    config.train.update(steps=6, batch_size=8, log_every=2, eval_every=4)
-    config.checkpoint.update(every=3, keep=2)
-    config.eval.update(num_prompts=8, batch_size=8)
+    config.train.batch_size = 8
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/pretrain.py")
   return config

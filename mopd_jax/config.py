@@ -109,6 +109,15 @@ def defaults(method: str) -> ml_collections.ConfigDict:
   return c
 
 
+def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
+  """The sizes every ``:smoke`` variant shares: 4 steps, tiny data, an
+  evaluation and a checkpoint every 2 steps (seconds on a CPU, for tests)."""
+  config.data.update(train_examples=64, test_examples=16)
+  config.train.update(steps=4, log_every=2, eval_every=2)
+  config.checkpoint.update(every=2, keep=2)
+  config.eval.update(num_prompts=8, batch_size=8)
+
+
 def _positive(v):
   return v > 0
 

@@ -28,7 +28,7 @@ def test_defaults_validate_and_fill_missing_fields():
   del cfg.eval
   full = config_lib.validate(cfg)
   assert full.eval.num_prompts == config_lib.defaults("pretrain").eval.num_prompts
-  assert full.train.steps == 6  # the variant's value survives
+  assert full.train.steps == 4  # the variant's value survives
 
 
 @pytest.mark.parametrize("mutate, field", [

@@ -13,14 +13,14 @@ from conftest import ROOT
 
 def test_pretrain_smoke_writes_everything(smoke_run):
   run, _, first = smoke_run
-  assert "evaluation at step 6" in first.stdout
-  assert "evaluation at step 4" in first.stdout  # train.eval_every=4
+  assert "evaluation at step 4" in first.stdout
+  assert "evaluation at step 2" in first.stdout  # train.eval_every=2
   for domain in ("add", "chain", "instruct", "sort", "reverse"):
     assert domain in first.stdout
-  assert sorted(os.listdir(run / "ckpt")) == ["3", "6"]
+  assert sorted(os.listdir(run / "ckpt")) == ["2", "4"]
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
   losses = [r["loss"] for r in records if "loss" in r]
-  assert len(losses) == 3 and all(l > 0 for l in losses)
+  assert len(losses) == 2 and all(l > 0 for l in losses)
   assert sum("eval/greedy/add/accuracy" in r for r in records) == 2
   assert os.listdir(run / "tb")
   result = json.load(open(run / "eval.json"))
@@ -31,8 +31,8 @@ def test_rerun_resumes_from_latest_checkpoint(smoke_run):
   run, cmd, _ = smoke_run
   second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert second.returncode == 0, second.stderr[-2000:]
-  assert "resuming from step 6" in second.stdout
-  assert sorted(os.listdir(run / "ckpt")) == ["3", "6"]
+  assert "resuming from step 4" in second.stdout
+  assert sorted(os.listdir(run / "ckpt")) == ["2", "4"]
 
 
 def test_colab_notebook_runs_on_the_workdir(smoke_run, monkeypatch):
@@ -48,5 +48,5 @@ def test_colab_notebook_runs_on_the_workdir(smoke_run, monkeypatch):
         scope["WORKDIR"] = str(smoke_run[0])
         continue
       exec(compile(source, "inspect_run.ipynb", "exec"), scope)  # noqa: S102
-  assert len(scope["train"]) == 3 and len(scope["evals"]) == 2
+  assert len(scope["train"]) == 2 and len(scope["evals"]) == 2
   assert ("greedy", "add") in scope["series"]
