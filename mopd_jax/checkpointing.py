@@ -12,7 +12,6 @@ import orbax.checkpoint as ocp
 from mopd_jax.errors import CheckpointError
 
 
-
 class Checkpointer:
   """A thin wrapper over ``ocp.CheckpointManager`` under ``<workdir>/ckpt``."""
 
@@ -40,7 +39,6 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
-
 
 
 def load_params(run_dir: str, params_like: Any) -> Any:

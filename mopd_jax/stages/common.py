@@ -69,11 +69,15 @@ def check_divisible(mesh, batch: int, field: str) -> None:
                       f" {data_parallel} data-parallel devices")
 
 
+def param_shardings(model_cfg, mesh):
+  """NamedShardings of every parameter, from its logical axes."""
+  return parallel.logical_sharding(mesh, decoder.logical_axes(model_cfg))
+
+
 def init_params(model_cfg, mesh, seed: int):
   """Random parameters, created already sharded over ``mesh``."""
-  shardings = parallel.logical_sharding(mesh, decoder.logical_axes(model_cfg))
   init = jax.jit(decoder.init_params, static_argnums=0,
-                 out_shardings=shardings)
+                 out_shardings=param_shardings(model_cfg, mesh))
   with parallel.activate(mesh):
     return init(model_cfg, jax.random.key(seed))
 
@@ -82,10 +86,9 @@ def load_params(run_dir: str, model_cfg, mesh):
   """The final parameters of an earlier run, sharded over ``mesh``."""
   shapes = jax.eval_shape(
       lambda: decoder.init_params(model_cfg, jax.random.key(0)))
-  shardings = parallel.logical_sharding(mesh, decoder.logical_axes(model_cfg))
   like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                          sharding=sh),
-                      shapes, shardings)
+                      shapes, param_shardings(model_cfg, mesh))
   return checkpointing.load_params(run_dir, like)
 
 

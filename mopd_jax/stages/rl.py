@@ -152,7 +152,8 @@ def run(config, workdir: str):
 
   optimizer = training.make_optimizer(config.optim, config.train.steps)
   params = common.load_params(config.init, model_cfg, mesh)
-  ref_params = params if rl.beta > 0 else None
+  # A copy: the policy's own buffers are donated to every update.
+  ref_params = jax.tree.map(jnp.copy, params) if rl.beta > 0 else None
   explore, floor = ((config.mixture.exploration, config.mixture.floor)
                     if adaptive else (0.0, 0.0))
   momentum = config.mixture.momentum if adaptive else 0.0
@@ -163,9 +164,9 @@ def run(config, workdir: str):
 
   @jax.jit
   def policy_logprobs(params, prompt, prompt_mask, completion, mask):
-    z = sampler.completion_logits(params, model_cfg, prompt, prompt_mask,
-                                  completion, mask, sampling)
-    return token_logprobs(z, completion)
+    rollout = sampler.Rollout(completion, jnp.zeros(completion.shape), mask)
+    return sampler.sequence_logprobs(params, model_cfg, prompt, prompt_mask,
+                                     rollout, sampling)
 
   key = jax.random.fold_in(jax.random.key(config.seed), 2)
   shard = parallel.batch_sharding(mesh)

@@ -85,13 +85,16 @@ def _train(*args):
                         capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("config", ["grpo", "mix_rl"])
-def test_cli_trains_from_the_base_run(smoke_run, tmp_path, data_dir, config):
+@pytest.mark.parametrize("config, extra", [
+    ("grpo", ()), ("mix_rl", ()),
+    ("grpo", ("--config.rl.beta=0.1", "--config.rl.tis_cap=2.0"))])
+def test_cli_trains_from_the_base_run(smoke_run, tmp_path, data_dir, config,
+                                      extra):
   base = smoke_run[0]
   run = tmp_path / config
   result = _train(f"--config={ROOT}/configs/{config}.py:smoke",
                   f"--workdir={run}", f"--config.init={base}",
-                  f"--config.data.data_dir={data_dir}")
+                  f"--config.data.data_dir={data_dir}", *extra)
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
   step = records[0]
@@ -102,6 +105,8 @@ def test_cli_trains_from_the_base_run(smoke_run, tmp_path, data_dir, config):
                                                 "sort"]
   assert sum(step[f"share/prompts/{d}"] for d in domains) == pytest.approx(1)
   assert "eval/greedy/reverse/accuracy" in records[-1]  # forgetting watch
+  if extra:
+    assert step["kl"] >= 0.0  # the reference forward pass ran
   saved = json.load(open(run / "config.json"))
   assert saved["model"] == json.load(open(base / "config.json"))["model"]
   assert sorted(os.listdir(run / "ckpt")) == ["2", "4"]
