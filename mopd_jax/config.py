@@ -101,6 +101,9 @@ def defaults(method: str) -> ml_collections.ConfigDict:
         kl_estimator="k3",  # k1 | k2 | k3
         aggregation="token_mean",  # | seq_mean_token_mean | constant
         drop_equal_groups=False,
+        # Completion positions per tile of the full-vocabulary work in the
+        # loss ([batch, tile, vocab] logits live at a time).
+        tile_positions=16,
     ))
   if method == "mix_rl":
     c.mixture = ml_collections.ConfigDict(dict(
@@ -179,6 +182,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rl.advantage", lambda v: v in ("grpo", "drgrpo", "rloo"),
      "grpo, drgrpo or rloo"),
     ("rl.advantage_eps", _positive, "> 0"),
+    ("rl.tile_positions", _positive, "> 0"),
     ("rl.eps_low", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("rl.eps_high", _non_negative, ">= 0"),
     ("rl.dual_clip", lambda v: v == 0 or v > 1, "0 (off) or > 1"),

@@ -92,7 +92,7 @@ def _load_config():
   ml_collections reports only on first access)."""
   try:
     config = _CONFIG.value
-    "method" in config  # pylint: disable=pointless-statement
+    _ = "method" in config  # the first access loads the file
     return config
   except OSError as e:
     last = [l.strip() for l in str(e).splitlines() if l.strip()][-1]

@@ -249,9 +249,14 @@ def apply(params: Params, cfg: ModelConfig, tokens: jax.Array,
           cache: KVCache | None = None):
   """Float32 logits [B, T, V] and the updated cache: ``logits = h W_out``."""
   h, cache = hidden_states(params, cfg, tokens, segment_ids, positions, cache)
+  return unembed(params, cfg, h), cache
+
+
+def unembed(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+  """Float32 logits [B, T, V] of hidden states [B, T, D]: ``h W_out``."""
   logits = jnp.einsum("btd,dv->btv", h, output_weight(params, cfg).astype(h.dtype),
                       preferred_element_type=jnp.float32)
-  return nn.with_logical_constraint(logits, ("batch", "length", "vocab")), cache
+  return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:

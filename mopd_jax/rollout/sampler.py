@@ -135,16 +135,25 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
   return rollout
 
 
-def completion_logits(params, cfg: ModelConfig, prompt, prompt_mask,
-                      completion, completion_mask,
-                      sampling: SamplingConfig) -> jax.Array:
-  """Sampling-policy logits [B, N, V] at every completion position, from one
-  full forward pass over ``prompt ++ completion`` (no cache)."""
+def completion_hidden(params, cfg: ModelConfig, prompt, prompt_mask,
+                      completion, completion_mask) -> jax.Array:
+  """Final hidden states [B, N, D] at the positions that predict each
+  completion token, from one full forward pass over ``prompt ++ completion``
+  (no cache). Position ``t`` predicts ``completion[:, t]``."""
   tokens = jnp.concatenate([prompt, completion], axis=1)
   segments = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(
       jnp.int32)
-  logits, _ = decoder.apply(params, cfg, tokens, segments)
-  return policy_logits(logits[:, prompt.shape[1] - 1:-1], sampling)
+  h, _ = decoder.hidden_states(params, cfg, tokens, segments)
+  return h[:, prompt.shape[1] - 1:-1]
+
+
+def completion_logits(params, cfg: ModelConfig, prompt, prompt_mask,
+                      completion, completion_mask,
+                      sampling: SamplingConfig) -> jax.Array:
+  """Sampling-policy logits [B, N, V] at every completion position."""
+  h = completion_hidden(params, cfg, prompt, prompt_mask, completion,
+                        completion_mask)
+  return policy_logits(decoder.unembed(params, cfg, h), sampling)
 
 
 def sequence_logprobs(params, cfg: ModelConfig, prompt, prompt_mask,

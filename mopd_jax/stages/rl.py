@@ -20,9 +20,7 @@ from mopd_jax import config as config_lib
 from mopd_jax import parallel, training
 from mopd_jax.data import batching, mixture
 from mopd_jax.data.domains import get_domain
-from mopd_jax.objectives import grpo
-from mopd_jax.ops.logprobs import token_logprobs
-from mopd_jax.reductions import masked_sum_count
+from mopd_jax.objectives import grpo, policy
 from mopd_jax.rollout import sampler
 from mopd_jax.stages import common
 
@@ -42,37 +40,17 @@ def draw_prompts(train_sets, weights: np.ndarray, count: int, seed: int,
           for d in ids], ids
 
 
-def entropy(z: jax.Array) -> jax.Array:
-  """``H = logsumexp(z) - sum_v softmax(z)_v z_v`` per position."""
-  p = jax.nn.softmax(z, axis=-1)
-  return jax.nn.logsumexp(z, axis=-1) - jnp.sum(
-      p * jnp.where(jnp.isfinite(z), z, 0.0), axis=-1)
-
-
 def make_loss(model_cfg, sampling, rl):
   """Minibatch loss: clipped PG (+ beta KL to the reference), aggregated."""
 
   def loss_fn(params, mb):
-    z = sampler.completion_logits(params, model_cfg, mb["prompt"],
-                                  mb["prompt_mask"], mb["completion"],
-                                  mb["mask"], sampling)
-    logp = token_logprobs(z, mb["completion"])
+    stats = policy.student_positions(params, model_cfg, mb,
+                                     sampling.temperature, rl.tile_positions)
     per_token, clipped = grpo.clipped_policy_loss(
-        logp, mb["old_logp"], mb["advantages"], rl.eps_low, rl.eps_high,
-        rl.dual_clip, mb.get("behaviour_logp"), rl.tis_cap)
-    mask = mb["mask"] * mb["keep"][:, None]
-    drift = grpo.kl_penalty(logp, mb["old_logp"], "k3")
-    metrics = {"clip_fraction": masked_sum_count(clipped, mask),
-               "entropy": masked_sum_count(entropy(z), mask),
-               "kl_to_old": masked_sum_count(drift, mask)}
-    if rl.beta > 0:
-      kl = grpo.kl_penalty(logp, mb["ref_logp"], rl.kl_estimator)
-      per_token = per_token + rl.beta * kl
-      metrics["kl"] = masked_sum_count(kl, mask)
-    total, count = grpo.aggregate(per_token, mask, rl.aggregation,
-                                  sampling.max_new_tokens)
-    metrics["loss"] = (total, count)
-    return total / jnp.maximum(count, 1.0), metrics
+        stats["logp"], mb["old_logp"], mb["advantages"], rl.eps_low,
+        rl.eps_high, rl.dual_clip, mb.get("behaviour_logp"), rl.tis_cap)
+    return policy.finish(per_token, clipped, stats, mb, rl,
+                         sampling.max_new_tokens)
 
   return loss_fn
 
