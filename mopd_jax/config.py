@@ -21,8 +21,8 @@ from mopd_jax.errors import ConfigError
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.rollout.sampler import SamplingConfig
 
-METHODS = ("pretrain", "grpo", "mix_rl")
-RL_METHODS = ("grpo", "mix_rl")
+METHODS = ("pretrain", "grpo", "mix_rl", "mopd")
+RL_METHODS = ("grpo", "mix_rl", "mopd")  # on-policy: they sample rollouts
 ALL_DOMAINS = tuple(DOMAINS)
 
 
@@ -41,10 +41,12 @@ def _sampling(**overrides) -> ml_collections.ConfigDict:
 def defaults(method: str) -> ml_collections.ConfigDict:
   """The complete default config of ``method``.
 
-  ``pretrain`` builds a model from ``model``; the RL methods start from the
-  run in ``init`` and take its architecture from there. ``grpo`` trains one
-  ``domain``'s expert; ``mix_rl`` pools ``data.domains`` by ``data.weights``
-  (or the adaptive ``mixture``).
+  ``pretrain`` builds a model from ``model``; the on-policy methods start
+  from the run in ``init`` and take its architecture from there. ``grpo``
+  trains one ``domain``'s expert; ``mix_rl`` pools ``data.domains`` by
+  ``data.weights`` (or the adaptive ``mixture``); ``mopd`` distils the
+  ``teachers`` (one expert run per domain) into the student on its own
+  rollouts of the pooled prompts.
   """
   if method not in METHODS:
     raise ConfigError(f"method: unknown method {method!r}; known: "
@@ -108,8 +110,41 @@ def defaults(method: str) -> ml_collections.ConfigDict:
   if method == "mix_rl":
     c.mixture = ml_collections.ConfigDict(dict(
         adaptive=False, exploration=0.5, floor=0.05, momentum=0.9))
+  if method == "mopd":
+    _mopd(c)
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   return c
+
+
+def _mopd(c: ml_collections.ConfigDict) -> None:
+  """The distillation sections of ``mopd`` (the ``rl`` section carries the
+  batch shape, the clip of the ``pg`` loss and the outcome advantage)."""
+  # run directories: a template with {domain}, or domain=dir pairs
+  c.teachers = ""
+  c.rl.update(group_size=4, prompts_per_step=64, minibatches=4)
+  c.opd = ml_collections.ConfigDict(dict(
+      router="oracle",
+      loss="pg",  # pg (sampled-token signal) | topk (dense) | kl (exact)
+      kl_alpha=0.0,  # kl: alpha * forward + (1 - alpha) * reverse
+      top_k=8,  # topk: the student's K most likely tokens
+      lambda_orm=0.0,  # weight of the verifier's group advantage
+      entropy_threshold=0.0,  # > 0: forward KL where H(teacher) exceeds it
+      gate=False,  # keep the signal only where T(y_t) > pi(y_t)
+      proxy_teacher=False,  # student_base + (expert - expert_init) logits
+      extrapolation=1.0,  # lambda of a_t + (lambda-1)(log T - log base)
+  ))
+  c.open_mopd = ml_collections.ConfigDict(dict(
+      token_share=False,  # weight d by target_share_d / token_share_d
+      target_shares=(),  # empty: uniform over domains
+      gap_budget=False,  # weight d by clip((gap_d / ref)^alpha, lo, hi)
+      gap_statistic="abs_signal",  # | reverse_kl
+      gap_alpha=1.0,
+      gap_min=0.5,
+      gap_max=2.0,
+      gap_momentum=0.9,
+      gap_steers="loss",  # loss | sampling | both
+      reward_refresh=False,  # a_t under the current student at each update
+  ))
 
 
 def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
@@ -192,6 +227,25 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rl.aggregation",
      lambda v: v in ("token_mean", "seq_mean_token_mean", "constant"),
      "token_mean, seq_mean_token_mean or constant"),
+    ("teachers", lambda v: bool(v), "the expert runs: a template with"
+     " {domain} or domain=dir pairs"),
+    ("opd.router", lambda v: v == "oracle", "oracle"),
+    ("opd.loss", lambda v: v in ("pg", "topk", "kl"), "pg, topk or kl"),
+    ("opd.kl_alpha", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("opd.top_k", _positive, "> 0"),
+    ("opd.lambda_orm", _non_negative, ">= 0"),
+    ("opd.entropy_threshold", _non_negative, ">= 0 (0 disables)"),
+    ("opd.extrapolation", _non_negative, ">= 0 (1 disables)"),
+    ("open_mopd.target_shares", lambda v: all(w >= 0 for w in v) and (
+        not v or sum(v) > 0), "empty or non-negative with a positive sum"),
+    ("open_mopd.gap_statistic", lambda v: v in ("abs_signal", "reverse_kl"),
+     "abs_signal or reverse_kl"),
+    ("open_mopd.gap_alpha", _non_negative, ">= 0"),
+    ("open_mopd.gap_min", _positive, "> 0"),
+    ("open_mopd.gap_max", _positive, "> 0"),
+    ("open_mopd.gap_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("open_mopd.gap_steers", lambda v: v in ("loss", "sampling", "both"),
+     "loss, sampling or both"),
     ("mixture.exploration", _non_negative, ">= 0"),
     ("mixture.floor", _non_negative, ">= 0"),
     ("mixture.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -264,6 +318,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f" {len(full.data.domains)} domains")
   if "rl" in full:
     _validate_rl(full)
+  if "opd" in full:
+    _validate_mopd(full)
   return full
 
 
@@ -280,6 +336,20 @@ def _validate_rl(full) -> None:
   if "mixture" in full and full.mixture.floor * len(full.data.domains) >= 1:
     raise ConfigError(f"mixture.floor: {full.mixture.floor} times"
                       f" {len(full.data.domains)} domains must be < 1")
+
+
+def _validate_mopd(full) -> None:
+  shares = full.open_mopd.target_shares
+  if shares and len(shares) != len(full.data.domains):
+    raise ConfigError(f"open_mopd.target_shares: {len(shares)} shares for"
+                      f" {len(full.data.domains)} domains")
+  if full.open_mopd.gap_min > full.open_mopd.gap_max:
+    raise ConfigError("open_mopd.gap_min: must be <= open_mopd.gap_max")
+  if full.opd.loss != "pg":
+    for field, off in (("proxy_teacher", False), ("extrapolation", 1.0)):
+      if full.opd[field] != off:
+        raise ConfigError(f"opd.{field}: needs opd.loss='pg' (a sampled-token"
+                          " signal)")
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:

@@ -27,7 +27,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 # method -> module with ``run(config, workdir)``
 STAGES = {"pretrain": "mopd_jax.stages.pretrain", "grpo": "mopd_jax.stages.rl",
-          "mix_rl": "mopd_jax.stages.rl"}
+          "mix_rl": "mopd_jax.stages.rl", "mopd": "mopd_jax.stages.mopd"}
 
 
 def _fail(message: str) -> None:

@@ -24,10 +24,12 @@ CONFIG_FILE = "config.json"
 
 
 def save_run_config(config, workdir: str) -> None:
-  """``<workdir>/config.json``: how the run was configured (model included),
-  read back by later stages that start from this run."""
-  training.write_json_atomic(os.path.join(workdir, CONFIG_FILE),
-                             config.to_dict())
+  """``<workdir>/config.json``: how the run was configured (model included)
+  and the fingerprint of its tokenizer, read back by later stages that start
+  from this run or use it as a teacher."""
+  training.write_json_atomic(
+      os.path.join(workdir, CONFIG_FILE),
+      dict(config.to_dict(), tokenizer=CharTokenizer().fingerprint()))
 
 
 def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
@@ -65,8 +67,8 @@ def setup(config):
 def check_divisible(mesh, batch: int, field: str) -> None:
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
   if batch % data_parallel:
-    raise ConfigError(f"{field}: {batch} is not a multiple of the"
-                      f" {data_parallel} data-parallel devices")
+    raise ConfigError(f"{field}: a batch of {batch} sequences is not a"
+                      f" multiple of the {data_parallel} data-parallel devices")
 
 
 def param_shardings(model_cfg, mesh):

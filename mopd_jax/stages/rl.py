@@ -56,12 +56,14 @@ def make_loss(model_cfg, sampling, rl):
 
 
 def make_update(loss_fn, optimizer):
-  """One jitted optimiser step on a minibatch: ``(train, mb) -> (train,
-  metrics)`` with ``train = {params, opt_state}`` (donated)."""
+  """One jitted optimiser step on a minibatch: ``(train, mb, *shared) ->
+  (train, metrics)`` with ``train = {params, opt_state}`` (donated) and
+  ``shared`` arrays every minibatch's loss reads whole."""
 
   @functools.partial(jax.jit, donate_argnums=0)
-  def update(train, mb):
-    grads, metrics = jax.grad(loss_fn, has_aux=True)(train["params"], mb)
+  def update(train, mb, *shared):
+    grads, metrics = jax.grad(loss_fn, has_aux=True)(train["params"], mb,
+                                                     *shared)
     updates, opt_state = optimizer.update(grads, train["opt_state"],
                                           train["params"])
     params = jax.tree.map(jnp.add, train["params"], updates)
@@ -71,7 +73,7 @@ def make_update(loss_fn, optimizer):
 
 
 def optimise(train, data: dict, update, rl, rng: np.random.Generator,
-             sharding=None):
+             sharding=None, shared: tuple = ()):
   """``rl.epochs`` passes over the rollout batch ``data`` (per-sequence
   arrays), each in ``rl.minibatches`` shuffled minibatches; the log-probs in
   ``data["old_logp"]`` stay ``pi_old`` throughout. Returns the new
@@ -86,7 +88,7 @@ def optimise(train, data: dict, update, rl, rng: np.random.Generator,
       mb = {k: v[idx] for k, v in data.items()}
       if sharding is not None:
         mb = jax.device_put(mb, sharding)
-      train, metrics = update(train, mb)
+      train, metrics = update(train, mb, *shared)
       pairs = training.accumulate(pairs, metrics)
   return train, pairs
 
@@ -112,6 +114,84 @@ def rollout_batch(rollout, prompt, prompt_mask, rewards: np.ndarray, rl):
   return data, informative
 
 
+class Rollouts:
+  """What every on-policy stage does before its loss: draw a step's prompts
+  by domain proportions, sample ``rl.group_size`` completions each, grade
+  them with the domains' verifiers; and policy log-probs of a batch under
+  any parameters (reference model, ``pi_old`` for TIS)."""
+
+  def __init__(self, config, tokenizer, model_cfg, mesh, names, sampling):
+    splits = common.domain_splits(config, names, "train")
+    self.train_sets = [splits[d] for d in names]
+    self.verifiers = [get_domain(d).verify for d in names]
+    self.config, self.tokenizer, self.model_cfg = config, tokenizer, model_cfg
+    self.mesh, self.sampling = mesh, sampling
+    self.key = jax.random.fold_in(jax.random.key(config.seed), 2)
+
+    @jax.jit
+    def logprobs(params, prompt, prompt_mask, completion, mask):
+      rollout = sampler.Rollout(completion, jnp.zeros(completion.shape), mask)
+      return sampler.sequence_logprobs(params, model_cfg, prompt,
+                                       prompt_mask, rollout, sampling)
+
+    self._logprobs = logprobs
+
+  def __call__(self, params, weights: np.ndarray, step: int):
+    """``(examples, domain ids, prompt, prompt_mask, rollout, rewards)``;
+    per-sequence arrays have the group's samples contiguous."""
+    rl = self.config.rl
+    examples, ids = draw_prompts(self.train_sets, weights,
+                                 rl.prompts_per_step, self.config.seed, step)
+    prompt, prompt_mask = batching.encode_prompts(
+        [e.prompt for e in examples for _ in range(rl.group_size)],
+        self.tokenizer, self.config.data.max_prompt_len)
+    with parallel.activate(self.mesh):
+      rollout = sampler.sample(params, self.model_cfg, prompt, prompt_mask,
+                               jax.random.fold_in(self.key, step),
+                               self.sampling)
+    completion = np.asarray(rollout.completion)
+    seq_ids = np.repeat(ids, rl.group_size)
+    rewards = np.array([
+        self.verifiers[d](self.tokenizer.decode(row),
+                          examples[i // rl.group_size].answer)
+        for i, (d, row) in enumerate(zip(seq_ids, completion))], np.float32)
+    return examples, ids, prompt, prompt_mask, rollout, rewards
+
+  def logprobs(self, params, data: dict) -> np.ndarray:
+    """[B, T] policy log-probs of ``data``'s completions under ``params``."""
+    with parallel.activate(self.mesh):
+      return np.asarray(self._logprobs(params, data["prompt"],
+                                       data["prompt_mask"],
+                                       data["completion"], data["mask"]))
+
+  def add_policy_inputs(self, data: dict, params, ref_params) -> None:
+    """``ref_logp`` under ``ref_params`` (if given); with ``rl.tis_cap``,
+    ``pi_old`` recomputed by the trainer, the sampler's own log-probs only
+    entering the truncated importance weight."""
+    if ref_params is not None:
+      data["ref_logp"] = self.logprobs(ref_params, data)
+    if self.config.rl.tis_cap > 0:
+      data["behaviour_logp"] = data["old_logp"]
+      data["old_logp"] = self.logprobs(params, data)
+
+
+def batch_metrics(pairs: dict, names, seq_ids: np.ndarray, mask: np.ndarray,
+                  rewards: np.ndarray, weights: np.ndarray) -> np.ndarray:
+  """Adds reward, response length and, per domain, prompt and token share,
+  reward and sampling weight to ``pairs``; returns the sequence lengths."""
+  batch = len(rewards)
+  lengths = mask.sum(1).astype(np.float32)
+  pairs.update({"reward": (rewards.sum(), batch),
+                "response_length": (lengths.sum(), batch)})
+  for d, name in enumerate(names):
+    mine = seq_ids == d
+    pairs[f"share/prompts/{name}"] = (mine.sum(), batch)
+    pairs[f"share/tokens/{name}"] = (lengths[mine].sum(), lengths.sum())
+    pairs[f"reward/{name}"] = (rewards[mine].sum(), mine.sum())
+    pairs[f"weight/{name}"] = (weights[d], 1.0)
+  return lengths
+
+
 def run(config, workdir: str):
   """Train an expert (``grpo``) or the Mix RL model; returns the state."""
   tokenizer, model_cfg, mesh = common.setup(config)
@@ -119,14 +199,12 @@ def run(config, workdir: str):
   batch = rl.prompts_per_step * rl.group_size
   common.check_divisible(mesh, batch // rl.minibatches, "rl.minibatches")
   names = rl_domains(config)
-  splits = common.domain_splits(config, names, "train")
-  train_sets = [splits[d] for d in names]
-  verifiers = [get_domain(d).verify for d in names]
   base = mixture.base_weights(names, () if config.method == "grpo"
                               else config.data.weights)
   adaptive = config.method == "mix_rl" and config.mixture.adaptive
   test_sets = common.eval_sets(config, config.eval.domains)
   sampling = config_lib.sampling_config(config.sampling, tokenizer)
+  rollouts = Rollouts(config, tokenizer, model_cfg, mesh, names, sampling)
 
   optimizer = training.make_optimizer(config.optim, config.train.steps)
   params = common.load_params(config.init, model_cfg, mesh)
@@ -139,47 +217,17 @@ def run(config, workdir: str):
     state = training.init_state(params, optimizer)
   state["mixture"] = mixture.init_state(len(names))
   update = make_update(make_loss(model_cfg, sampling, rl), optimizer)
-
-  @jax.jit
-  def policy_logprobs(params, prompt, prompt_mask, completion, mask):
-    rollout = sampler.Rollout(completion, jnp.zeros(completion.shape), mask)
-    return sampler.sequence_logprobs(params, model_cfg, prompt, prompt_mask,
-                                     rollout, sampling)
-
-  key = jax.random.fold_in(jax.random.key(config.seed), 2)
   shard = parallel.batch_sharding(mesh)
 
   def step_fn(state, step):
     weights = mixture.proportions(base, state["mixture"], adaptive, explore,
                                   floor)
-    examples, ids = draw_prompts(train_sets, weights, rl.prompts_per_step,
-                                 config.seed, step)
-    prompt, prompt_mask = batching.encode_prompts(
-        [e.prompt for e in examples for _ in range(rl.group_size)], tokenizer,
-        config.data.max_prompt_len)
-    with parallel.activate(mesh):
-      rollout = sampler.sample(state["params"], model_cfg, prompt, prompt_mask,
-                               jax.random.fold_in(key, step), sampling)
-    completion = np.asarray(rollout.completion)
-    seq_ids = np.repeat(ids, rl.group_size)
-    rewards = np.array([
-        verifiers[d](tokenizer.decode(row), examples[i // rl.group_size].answer)
-        for i, (d, row) in enumerate(zip(seq_ids, completion))], np.float32)
+    _, ids, prompt, prompt_mask, rollout, rewards = rollouts(
+        state["params"], weights, step)
     data, informative = rollout_batch(rollout, prompt, prompt_mask, rewards,
                                       rl)
-    advantages, completion, mask = (data["advantages"], data["completion"],
-                                    data["mask"])
-    with parallel.activate(mesh):
-      if ref_params is not None:
-        data["ref_logp"] = np.asarray(policy_logprobs(
-            ref_params, prompt, prompt_mask, completion, mask))
-      if rl.tis_cap > 0:
-        # pi_old as the trainer computes it; the sampler's own log-probs
-        # only enter the truncated importance weight.
-        data["behaviour_logp"] = data["old_logp"]
-        data["old_logp"] = np.asarray(policy_logprobs(
-            state["params"], prompt, prompt_mask, completion, mask))
-
+    rollouts.add_policy_inputs(data, state["params"], ref_params)
+    advantages = data["advantages"]
     train = dict(params=state["params"], opt_state=state["opt_state"])
     with parallel.activate(mesh):
       train, pairs = optimise(train, data, update, rl,
@@ -189,21 +237,14 @@ def run(config, workdir: str):
     new_state = dict(train, step=state["step"] + 1,
                      mixture=mixture.update_state(
                          state["mixture"], ids, group_signal, momentum))
-    lengths = mask.sum(1).astype(np.float32)
+    batch_metrics(pairs, names, np.repeat(ids, rl.group_size), data["mask"],
+                  rewards, weights)
     pairs.update({
-        "reward": (rewards.sum(), batch),
-        "response_length": (lengths.sum(), batch),
         "advantage_abs": (np.abs(advantages).sum(), batch),
         "advantage_std": (float(np.std(advantages)), 1.0),
         "informative_groups": (informative.sum() / rl.group_size,
                                rl.prompts_per_step),
     })
-    for d, name in enumerate(names):
-      mine = seq_ids == d
-      pairs[f"share/prompts/{name}"] = (mine.sum(), batch)
-      pairs[f"share/tokens/{name}"] = (lengths[mine].sum(), lengths.sum())
-      pairs[f"reward/{name}"] = (rewards[mine].sum(), mine.sum())
-      pairs[f"weight/{name}"] = (weights[d], 1.0)
     return new_state, pairs
 
   eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test_sets, mesh,

@@ -1,0 +1,266 @@
+"""MOPD: teachers, routing, teacher scoring and the Open-MOPD budget.
+
+* ``parse_teachers`` / ``load_teachers``: one expert run per domain, checked
+  against the student's tokenizer and vocabulary at start-up.
+* ``OracleRouter``: every sample goes to the teacher of its domain (the
+  ``Router`` protocol admits others).
+* ``score``: each teacher runs one forward pass over only the samples routed
+  to it, one teacher at a time, and its per-token log-probs (entropies,
+  hidden states) are scattered back into batch order.
+* ``token_share_weights``, ``gap_factors``, ``domain_weights``: the
+  per-domain loss weights of token-share balancing and of the gap-aware
+  budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mopd_jax import parallel
+from mopd_jax.errors import CheckpointError, ConfigError
+from mopd_jax.models import decoder
+from mopd_jax.models.config import ModelConfig
+from mopd_jax.objectives import opd
+from mopd_jax.objectives.policy import over_positions
+from mopd_jax.ops.logprobs import entropy, log_softmax
+from mopd_jax.rollout import sampler
+from mopd_jax.stages import common
+
+
+def parse_teachers(spec: str, domains) -> dict[str, str]:
+  """``{domain: run directory}`` from ``teachers``: a template with
+  ``{domain}`` (``runs/expert_{domain}``) or ``domain=dir`` pairs separated
+  by commas. Every training domain needs a teacher (oracle routing)."""
+  if "{domain}" in spec:
+    dirs = {d: spec.replace("{domain}", d) for d in domains}
+  else:
+    dirs = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+      domain, sep, path = item.partition("=")
+      if not sep or not path:
+        raise ConfigError(f"teachers: {item!r} is not domain=run_dir (or use"
+                          " a template with {domain})")
+      dirs[domain.strip()] = path.strip()
+  for d in domains:
+    if d not in dirs:
+      raise ConfigError(f"teachers: no teacher for domain {d!r}")
+  return {d: dirs[d] for d in domains}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """Parameters with the architecture that reads them."""
+  cfg: ModelConfig
+  params: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+  domain: str
+  run_dir: str
+  model: Model
+  init: Model | None  # the expert's own starting point (proxy teacher)
+
+
+def check_vocabulary(run_dir: str, run_config, model_cfg: ModelConfig,
+                     tokenizer, student_cfg: ModelConfig) -> None:
+  """A teacher must share the student's token ids: same vocabulary size and,
+  where the run recorded it, the same tokenizer fingerprint."""
+  if model_cfg.vocab_size != student_cfg.vocab_size:
+    raise ConfigError(
+        f"teachers: {run_dir} has a vocabulary of {model_cfg.vocab_size}"
+        f" tokens, the student {student_cfg.vocab_size}")
+  recorded = run_config.get("tokenizer", "")
+  if recorded and recorded != tokenizer.fingerprint():
+    raise ConfigError(f"teachers: {run_dir} was trained with another"
+                      f" tokenizer ({recorded} != {tokenizer.fingerprint()})")
+
+
+def load_model(run_dir: str, tokenizer, student_cfg: ModelConfig, mesh
+               ) -> tuple[Model, Any]:
+  """The final parameters of the run in ``run_dir`` and its run config."""
+  run_config = common.load_run_config(run_dir)
+  cfg = ModelConfig(**run_config.model.to_dict())
+  check_vocabulary(run_dir, run_config, cfg, tokenizer, student_cfg)
+  return Model(cfg, common.load_params(run_dir, cfg, mesh)), run_config
+
+
+def load_teachers(dirs: dict[str, str], tokenizer, student_cfg: ModelConfig,
+                  mesh, with_init: bool) -> list[Teacher]:
+  """One teacher per domain; ``with_init`` also loads each expert's own
+  ``init`` run (needed by the proxy teacher)."""
+  teachers = []
+  for domain, run_dir in dirs.items():
+    model, run_config = load_model(run_dir, tokenizer, student_cfg, mesh)
+    init = None
+    if with_init:
+      init_dir = run_config.get("init", "")
+      if not init_dir or not os.path.isdir(os.path.expanduser(init_dir)):
+        raise CheckpointError(f"teachers: {run_dir} names no readable init"
+                              f" run ({init_dir!r}) for the proxy teacher")
+      init = load_model(init_dir, tokenizer, student_cfg, mesh)[0]
+    teachers.append(Teacher(domain, run_dir, model, init))
+  return teachers
+
+
+class Router(Protocol):
+  """Assigns every sample to one teacher."""
+
+  def route(self, domain_ids: np.ndarray) -> np.ndarray:
+    """[B] teacher indices from [B] domain indices."""
+
+
+class OracleRouter:
+  """Each sample is scored by the teacher of its own domain."""
+
+  def __init__(self, domains, teachers: list[Teacher]):
+    index = {t.domain: j for j, t in enumerate(teachers)}
+    self._table = np.array([index[d] for d in domains], np.int32)
+
+  def route(self, domain_ids: np.ndarray) -> np.ndarray:
+    return self._table[np.asarray(domain_ids)]
+
+
+ROUTERS = {"oracle": OracleRouter}
+
+
+def teacher_rows(parts, completion, tile: int, want_entropy: bool) -> dict:
+  """Per completion position: the teacher's log-prob of the sampled token
+  (and its entropy). ``parts`` is ``[(h [B, T, D_i], W_i [D_i, V],
+  sign_i)]``; the teacher's logits are ``sum_i sign_i h_i W_i`` (one part
+  for an expert, three for the proxy teacher)."""
+
+  def fn(y, *hs):
+    z = sum(sign * jnp.einsum("btd,dv->btv", h, w.astype(h.dtype),
+                              preferred_element_type=jnp.float32)
+            for h, (_, w, sign) in zip(hs, parts))
+    out = {"teacher_logp": jnp.take_along_axis(
+        log_softmax(z), y[..., None], -1)[..., 0]}
+    if want_entropy:
+      out["teacher_entropy"] = entropy(z)
+    return out
+
+  return over_positions(fn, tile, completion, *(h for h, _, _ in parts))
+
+
+@functools.lru_cache(maxsize=None)
+def make_scorer(cfgs: tuple[ModelConfig, ...], signs: tuple[float, ...],
+                tile: int, want_entropy: bool, want_hidden: bool):
+  """A jitted ``(params_list, prompt, prompt_mask, completion, mask) ->
+  dict`` for a teacher made of models of architectures ``cfgs`` (logits
+  ``sum sign_i z_i``, i.e. ``opd.proxy_logits`` for the three models of a
+  proxy teacher); teachers of one architecture share one."""
+
+  @jax.jit
+  def score(params_list, prompt, prompt_mask, completion, mask):
+    parts = []
+    for cfg, params, sign in zip(cfgs, params_list, signs):
+      h = sampler.completion_hidden(params, cfg, prompt, prompt_mask,
+                                    completion, mask)
+      parts.append((h, decoder.output_weight(params, cfg), sign))
+    out = teacher_rows(parts, completion, tile, want_entropy)
+    if want_hidden:
+      out["teacher_hidden"] = parts[0][0].astype(jnp.float32)
+    return out
+
+  return score
+
+
+def teacher_models(teacher: Teacher, student_init: Model | None
+                   ) -> tuple[tuple[Model, ...], tuple[float, ...]]:
+  """The models whose logits make ``teacher``'s, with their signs: the expert
+  alone, or the proxy ``student_base + (expert - expert_init)``."""
+  if student_init is None:
+    return (teacher.model,), (1.0,)
+  return (student_init, teacher.model, teacher.init), (1.0, 1.0, -1.0)
+
+
+def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
+          hidden_width: int = 0) -> dict:
+  """Route, score and gather back: for each teacher ``j``, one forward pass
+  over exactly the rows with ``teacher_ids == j`` (padded to a power of two
+  of at least 8, and to the data-parallel size, so that few shapes
+  compile), moved to host
+  before the next teacher runs. Returns [B, T] arrays (and
+  ``teacher_hidden`` [B, T, hidden_width], zero-padded in the last axis)."""
+  batch, width = arrays["completion"].shape
+  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  out: dict = {}
+  for j, (scorer, p) in enumerate(zip(scorers, params)):
+    rows = np.flatnonzero(teacher_ids == j)
+    if not rows.size:
+      continue
+    padded = max(8, 1 << int(rows.size - 1).bit_length())
+    padded = -(-padded // data_parallel) * data_parallel
+    idx = np.concatenate([rows, np.full(padded - rows.size, rows[0])])
+    with parallel.activate(mesh):
+      batch_in = jax.device_put(
+          {k: arrays[k][idx] for k in ("prompt", "prompt_mask", "completion",
+                                       "mask")},
+          parallel.batch_sharding(mesh))
+      result = jax.device_get(scorer(p, **batch_in))
+    for key, value in result.items():
+      value = np.asarray(value)[:rows.size]
+      if key not in out:
+        tail = (hidden_width,) if value.ndim == 3 else ()
+        out[key] = np.zeros((batch, width) + tail, np.float32)
+      if value.ndim == 3:
+        out[key][rows, :, :value.shape[-1]] = value
+      else:
+        out[key][rows] = value
+  return out
+
+
+def token_share_weights(tokens: np.ndarray, targets: np.ndarray
+                        ) -> np.ndarray:
+  """Token-share balancing: ``w_d = target_d / share_d`` with ``share_d``
+  the fraction of the batch's tokens from domain ``d``, targets renormalised
+  over the domains present, so that ``sum_d share_d w_d = 1`` (the
+  token-weighted mean weight is 1). Absent domains get 0."""
+  tokens = np.asarray(tokens, np.float64)
+  present = tokens > 0
+  share = tokens / max(tokens.sum(), 1e-12)
+  target = np.where(present, np.asarray(targets, np.float64), 0.0)
+  target = target / max(target.sum(), 1e-12)
+  return np.where(present, target / np.where(present, share, 1.0), 0.0)
+
+
+def gap_factors(gap: np.ndarray, seen: np.ndarray, base: np.ndarray,
+                alpha: float, lo: float, hi: float) -> np.ndarray:
+  """Gap-aware budget: ``f_d = clip((gap_d / ref)^alpha, lo, hi)`` with
+  ``ref = sum_d w_d gap_d`` (base proportions ``w``, renormalised over the
+  domains already ``seen``); 1 for domains not seen yet."""
+  gap = np.maximum(np.asarray(gap, np.float64), 1e-12)
+  seen = np.asarray(seen, bool)
+  if not seen.any():
+    return np.ones_like(gap)
+  w = np.where(seen, np.asarray(base, np.float64), 0.0)
+  ref = float(np.sum(w * gap) / w.sum())
+  return np.where(seen, np.clip((gap / ref) ** alpha, lo, hi), 1.0)
+
+
+def normalise_by_tokens(weights: np.ndarray, tokens: np.ndarray
+                        ) -> np.ndarray:
+  """``weights`` rescaled so that their token-weighted mean is 1."""
+  tokens = np.asarray(tokens, np.float64)
+  mean = float(np.sum(weights * tokens) / max(tokens.sum(), 1e-12))
+  return np.asarray(weights, np.float64) / max(mean, 1e-12)
+
+
+def gap_statistic(signal: np.ndarray, name: str) -> np.ndarray:
+  """Per-token contribution to a domain's remaining gap: ``|a_t|``
+  (``abs_signal``) or ``-a_t = log pi - log T`` (``reverse_kl``: its mean
+  over a domain's tokens estimates the per-token reverse KL)."""
+  if name == "abs_signal":
+    return np.abs(signal)
+  if name == "reverse_kl":
+    return -signal
+  raise ConfigError(f"open_mopd.gap_statistic: {name!r} not in"
+                    f" {opd.GAP_STATISTICS}")

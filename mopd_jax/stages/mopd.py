@@ -1,0 +1,239 @@
+"""MOPD: multi-teacher on-policy distillation, with the Open-MOPD fixes.
+
+One step: draw prompts of every training domain, let the student sample
+``rl.group_size`` completions each (temperature 1 by default), route every
+sample to its domain's teacher, which scores the sampled tokens (one teacher
+and only its samples at a time), then take ``rl.epochs x rl.minibatches``
+optimiser steps on the distillation loss (``opd.loss``). Open-MOPD, each
+switchable: per-domain loss weights from token-share balancing and from the
+gap-aware budget (which can also steer the prompt proportions), and the
+student reward refresh (``a_t`` under the current student at every update).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mopd_jax import config as config_lib
+from mopd_jax import parallel, training
+from mopd_jax.data import mixture
+from mopd_jax.errors import ConfigError
+from mopd_jax.fusion import mopd
+from mopd_jax.models import decoder
+from mopd_jax.objectives import grpo, opd, policy
+from mopd_jax.reductions import masked_sum_count
+from mopd_jax.stages import common, rl
+
+
+def full_vocabulary(opd_cfg) -> bool:
+  """Whether the loss needs the teacher's whole distribution per position
+  (then its hidden states are cached instead of [tokens, vocab] logits)."""
+  return opd_cfg.loss in ("topk", "kl") or opd_cfg.entropy_threshold > 0
+
+
+def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool):
+  """The distillation loss of a minibatch, ``(params, mb, teacher_w)``.
+
+  ``mb`` holds per-sequence arrays: the rollout, ``old_logp``,
+  ``teacher_logp`` (and ``teacher_hidden``, ``teacher_entropy``,
+  ``ref_logp`` as the options need), the outcome ``advantages``, the
+  routed ``teacher_id`` and the per-sequence loss ``weight`` (Open-MOPD).
+  ``teacher_w`` [teachers, D, V] stacks the teachers' output projections
+  (zero rows pad a smaller hidden size: the logits are unchanged).
+
+  With ``a_t = log T(y_t) - log pi(y_t)`` (``pi`` the current student under
+  ``refresh``, else the rollout-time one), per token:
+  * ``pg``:   ``L_t = clipped PG with advantage g_t a_t + lambda_orm A``;
+  * ``topk``: ``L_t = g_t opd.topk_dense_loss + lambda_orm PG(A)``;
+  * ``kl``:   ``L_t = g_t KL_alpha(pi || T) + lambda_orm PG(A)``;
+  ``g_t = opd.gate`` when ``opd.gate`` (else 1), ``A`` the sequence's
+  group advantage, plus the forward KL where ``H(T) > entropy_threshold``.
+  Each token's loss is multiplied by its sequence's ``weight``.
+  """
+  wide = full_vocabulary(opd_cfg)
+
+  def loss_fn(params, mb, teacher_w):
+    def per_position(z, h_teacher, teacher_id):
+      zt = jnp.zeros_like(z)  # each position's own teacher's logits
+      for j in range(teacher_w.shape[0]):
+        zj = jnp.einsum("btd,dv->btv", h_teacher, teacher_w[j],
+                        preferred_element_type=jnp.float32)
+        zt = jnp.where((teacher_id == j)[..., None], zj, zt)
+      out = {}
+      if opd_cfg.loss == "kl":
+        out["kl"] = opd.vocab_kl(z, zt, opd_cfg.kl_alpha)
+      if opd_cfg.loss == "topk":
+        out["topk_loss"], out["topk_reward"] = opd.topk_dense_loss(
+            z, zt, opd_cfg.top_k)
+      if opd_cfg.entropy_threshold > 0:
+        out["forward_kl"] = opd.vocab_kl(z, zt, 1.0)
+      return out
+
+    extra = ()
+    if wide:
+      extra = (mb["teacher_hidden"],
+               jnp.broadcast_to(mb["teacher_id"][:, None],
+                                mb["completion"].shape))
+    stats = policy.student_positions(params, model_cfg, mb,
+                                     sampling.temperature,
+                                     rl_cfg.tile_positions,
+                                     per_position if wide else None, extra)
+    logp = stats["logp"]
+    student = jax.lax.stop_gradient(logp) if refresh else mb["old_logp"]
+    signal = opd.token_signal(mb["teacher_logp"], student)
+    if opd_cfg.extrapolation != 1.0:
+      signal = opd.extrapolate(signal, mb["teacher_logp"], mb["ref_logp"],
+                               opd_cfg.extrapolation)
+    gate = opd.gate(signal) if opd_cfg.gate else jnp.ones_like(signal)
+    outcome = opd_cfg.lambda_orm * mb["advantages"][:, None]
+    clip_args = (rl_cfg.eps_low, rl_cfg.eps_high, rl_cfg.dual_clip,
+                 mb.get("behaviour_logp"), rl_cfg.tis_cap)
+    if opd_cfg.loss == "pg":
+      per_token, clipped = grpo.clipped_policy_loss(
+          logp, mb["old_logp"], gate * signal + outcome, *clip_args)
+    else:
+      dense = stats["kl"] if opd_cfg.loss == "kl" else stats["topk_loss"]
+      per_token, clipped = grpo.clipped_policy_loss(
+          logp, mb["old_logp"], jnp.broadcast_to(outcome, logp.shape),
+          *clip_args)
+      per_token = gate * dense + per_token
+    if opd_cfg.entropy_threshold > 0:
+      per_token = per_token + jnp.where(
+          mb["teacher_entropy"] > opd_cfg.entropy_threshold,
+          stats["forward_kl"], 0.0)
+    per_token = per_token * mb["weight"][:, None]
+    mask = mb["mask"] * mb["keep"][:, None]
+    metrics = {"signal": masked_sum_count(signal, mask),
+               "gated": masked_sum_count(1.0 - gate, mask)}
+    if opd_cfg.loss == "topk":
+      metrics["topk_reward"] = masked_sum_count(stats["topk_reward"], mask)
+    return policy.finish(per_token, clipped, stats, mb, rl_cfg,
+                         sampling.max_new_tokens, metrics)
+
+  return loss_fn
+
+
+def stacked_output_weights(teachers) -> jax.Array:
+  """[teachers, D_max, V] output projections, zero-padded in D."""
+  ws = [decoder.output_weight(t.model.params, t.model.cfg).astype(jnp.float32)
+        for t in teachers]
+  width = max(w.shape[0] for w in ws)
+  return jnp.stack([jnp.pad(w, ((0, width - w.shape[0]), (0, 0)))
+                    for w in ws])
+
+
+def domain_loss_weights(tokens: np.ndarray, gap_f: np.ndarray, om,
+                        num_domains: int) -> np.ndarray:
+  """Per-domain loss weights of a batch with ``tokens[d]`` tokens per domain:
+  the token-share weights (if on) times the gap factors (if they steer the
+  loss), rescaled to a token-weighted mean of 1."""
+  w = np.ones(num_domains)
+  if om.token_share:
+    w = w * mopd.token_share_weights(
+        tokens, mixture.base_weights(range(num_domains), om.target_shares))
+  if om.gap_budget and om.gap_steers in ("loss", "both"):
+    w = w * gap_f
+  return mopd.normalise_by_tokens(w, tokens)
+
+
+def run(config, workdir: str):
+  """Distil the teachers into the student; returns the final state."""
+  tokenizer, model_cfg, mesh = common.setup(config)
+  rl_cfg, opd_cfg, om = config.rl, config.opd, config.open_mopd
+  if opd_cfg.loss == "topk" and opd_cfg.top_k > model_cfg.vocab_size:
+    raise ConfigError(f"opd.top_k: {opd_cfg.top_k} exceeds the vocabulary of"
+                      f" {model_cfg.vocab_size}")
+  batch = rl_cfg.prompts_per_step * rl_cfg.group_size
+  common.check_divisible(mesh, batch // rl_cfg.minibatches, "rl.minibatches")
+  names = tuple(config.data.domains)
+  base = mixture.base_weights(names, config.data.weights)
+  teachers = mopd.load_teachers(mopd.parse_teachers(config.teachers, names),
+                                tokenizer, model_cfg, mesh,
+                                with_init=opd_cfg.proxy_teacher)
+  test_sets = common.eval_sets(config, config.eval.domains)
+  sampling = config_lib.sampling_config(config.sampling, tokenizer)
+  rollouts = rl.Rollouts(config, tokenizer, model_cfg, mesh, names, sampling)
+  router = mopd.ROUTERS[opd_cfg.router](names, teachers)
+  params = common.load_params(config.init, model_cfg, mesh)
+  needs_base = (rl_cfg.beta > 0 or opd_cfg.extrapolation != 1.0
+                or opd_cfg.proxy_teacher)
+  # A copy: the student's own buffers are donated to every update.
+  base_params = jax.tree.map(jnp.copy, params) if needs_base else None
+  student_init = (mopd.Model(model_cfg, base_params)
+                  if opd_cfg.proxy_teacher else None)
+  wide = full_vocabulary(opd_cfg)
+  scorers, teacher_params = [], []
+  for t in teachers:
+    models, signs = mopd.teacher_models(t, student_init)
+    scorers.append(mopd.make_scorer(
+        tuple(m.cfg for m in models), signs, rl_cfg.tile_positions,
+        opd_cfg.entropy_threshold > 0, wide))
+    teacher_params.append(tuple(m.params for m in models))
+  teacher_w = stacked_output_weights(teachers) if wide else jnp.zeros(
+      (len(teachers), 1, 1))
+  hidden_width = int(teacher_w.shape[1]) if wide else 0
+
+  optimizer = training.make_optimizer(config.optim, config.train.steps)
+  with parallel.activate(mesh):
+    state = training.init_state(params, optimizer)
+  state["gap"] = mixture.init_state(len(names))
+  update = rl.make_update(
+      make_loss(model_cfg, sampling, rl_cfg, opd_cfg, om.reward_refresh),
+      optimizer)
+  shard = parallel.batch_sharding(mesh)
+
+  def gap_now(gap_state):
+    if not om.gap_budget:
+      return np.ones(len(names))
+    return mopd.gap_factors(gap_state["signal"], gap_state["count"] > 0, base,
+                            om.gap_alpha, om.gap_min, om.gap_max)
+
+  def step_fn(state, step):
+    weights = base
+    if om.gap_budget and om.gap_steers in ("sampling", "both"):
+      weights = base * gap_now(state["gap"])
+      weights = weights / weights.sum()
+    _, ids, prompt, prompt_mask, rollout, rewards = rollouts(
+        state["params"], weights, step)
+    data, _ = rl.rollout_batch(rollout, prompt, prompt_mask, rewards, rl_cfg)
+    seq_ids = np.repeat(ids, rl_cfg.group_size)
+    teacher_ids = router.route(seq_ids)
+    data.update(mopd.score(scorers, teacher_params, teacher_ids, data, mesh,
+                           hidden_width))
+    data["teacher_id"] = teacher_ids.astype(np.int32)
+    rollouts.add_policy_inputs(data, state["params"], base_params)
+
+    mask = data["mask"].astype(bool)
+    signal = np.where(mask, data["teacher_logp"] - data["old_logp"], 0.0)
+    token_domain = np.broadcast_to(seq_ids[:, None], mask.shape)[mask]
+    gap_state = mixture.update_state(
+        state["gap"], token_domain,
+        mopd.gap_statistic(signal[mask], om.gap_statistic), om.gap_momentum)
+    tokens = np.bincount(token_domain, minlength=len(names)).astype(float)
+    loss_w = domain_loss_weights(tokens, gap_now(gap_state), om, len(names))
+    data["weight"] = loss_w[seq_ids].astype(np.float32)
+
+    train = dict(params=state["params"], opt_state=state["opt_state"])
+    with parallel.activate(mesh):
+      train, pairs = rl.optimise(
+          train, data, update, rl_cfg,
+          np.random.default_rng([config.seed, step, 1]), shard, (teacher_w,))
+    new_state = dict(train, step=state["step"] + 1, gap=gap_state)
+    rl.batch_metrics(pairs, names, seq_ids, data["mask"], rewards, weights)
+    effective = loss_w * tokens
+    for d, name in enumerate(names):
+      mine = token_domain == d
+      pairs[f"share/loss/{name}"] = (effective[d], effective.sum())
+      pairs[f"signal/{name}"] = (signal[mask][mine].sum(), mine.sum())
+      pairs[f"reverse_kl/{name}"] = (-signal[mask][mine].sum(), mine.sum())
+      pairs[f"gap/{name}"] = (gap_state["signal"][d], 1.0)
+      pairs[f"loss_weight/{name}"] = (loss_w[d], 1.0)
+    return new_state, pairs
+
+  eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test_sets, mesh,
+                                common.write_eval(workdir, config.train.steps))
+  return training.run_loop(workdir, state, step_fn, config.train.steps,
+                           config.checkpoint, config.train, eval_fn,
+                           desc="mopd")

@@ -1,0 +1,151 @@
+"""MOPD plumbing: teacher specs and checks, oracle routing, routed scoring,
+and the Open-MOPD weights against hand-computed cases."""
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from mopd_jax import parallel
+from mopd_jax.errors import ConfigError
+from mopd_jax.fusion import mopd
+from mopd_jax.models.config import ModelConfig
+from mopd_jax.models.tokenizer import CharTokenizer
+
+DOMAINS = ("add", "chain", "sort")
+
+
+def test_parse_teachers_template_and_pairs():
+  assert mopd.parse_teachers("runs/e_{domain}", DOMAINS) == {
+      d: f"runs/e_{d}" for d in DOMAINS}
+  assert mopd.parse_teachers("sort=c, add=a,chain=b", DOMAINS) == {
+      "add": "a", "chain": "b", "sort": "c"}
+  with pytest.raises(ConfigError, match="no teacher for domain 'sort'"):
+    mopd.parse_teachers("add=a,chain=b", DOMAINS)
+  with pytest.raises(ConfigError, match="not domain=run_dir"):
+    mopd.parse_teachers("add=a,chain,sort=c", DOMAINS)
+
+
+def test_vocabulary_checks():
+  tok = CharTokenizer()
+  student = ModelConfig(vocab_size=tok.vocab_size)
+  ok = ml_collections.ConfigDict({"tokenizer": tok.fingerprint()})
+  mopd.check_vocabulary("t", ok, student, tok, student)
+  with pytest.raises(ConfigError, match="vocabulary of 60 tokens, the stu"):
+    mopd.check_vocabulary("t", ok, ModelConfig(vocab_size=60), tok, student)
+  other = ml_collections.ConfigDict({"tokenizer": "char:0000"})
+  with pytest.raises(ConfigError, match="another tokenizer"):
+    mopd.check_vocabulary("t", other, student, tok, student)
+
+
+def test_oracle_router_sends_each_sample_to_its_domain_teacher():
+  teachers = [mopd.Teacher(d, "", None, None) for d in ("sort", "add",
+                                                         "chain")]
+  router = mopd.OracleRouter(DOMAINS, teachers)
+  ids = np.array([0, 1, 2, 2, 0, 1])
+  routed = router.route(ids)
+  assert [teachers[j].domain for j in routed] == [DOMAINS[i] for i in ids]
+
+
+def test_score_runs_each_teacher_on_exactly_its_rows():
+  """Fake scorers tag their outputs; every row must come back from its own
+  teacher, and each teacher must see only its rows (plus padding copies)."""
+  mesh = parallel.make_mesh(data=-1, fsdp=1, tensor=1)
+  batch, width = 12, 5
+  rng = np.random.default_rng(0)
+  arrays = {"prompt": rng.integers(3, 50, (batch, 4)).astype(np.int32),
+            "prompt_mask": np.ones((batch, 4), np.int32),
+            "completion": rng.integers(3, 50, (batch, width)).astype(
+                np.int32),
+            "mask": np.ones((batch, width), np.int32)}
+  teacher_ids = np.array([2, 0, 1, 2, 2, 0, 1, 1, 2, 0, 2, 2])
+  seen = {}
+
+  def fake(j, hidden):
+    def scorer(params, prompt, prompt_mask, completion, mask):
+      seen[j] = np.asarray(completion)
+      out = {"teacher_logp": completion.astype(jnp.float32) + 100.0 * j}
+      out["teacher_hidden"] = jnp.full(completion.shape + (hidden,), j + 1.0)
+      return out
+    return scorer
+
+  widths = (3, 2, 4)  # teachers of different hidden sizes
+  out = mopd.score([fake(j, widths[j]) for j in range(3)], [None] * 3,
+                   teacher_ids, arrays, mesh, hidden_width=4)
+  np.testing.assert_array_equal(
+      out["teacher_logp"], arrays["completion"] + 100.0 * teacher_ids[:, None])
+  for j in range(3):
+    rows = np.flatnonzero(teacher_ids == j)
+    assert len(seen[j]) % 8 == 0 and len(seen[j]) >= rows.size
+    np.testing.assert_array_equal(seen[j][:rows.size],
+                                  arrays["completion"][rows])
+    np.testing.assert_array_equal(seen[j][rows.size:],
+                                  arrays["completion"][rows[:1]].repeat(
+                                      len(seen[j]) - rows.size, 0))
+    hid = out["teacher_hidden"][rows]
+    assert np.all(hid[..., :widths[j]] == j + 1.0)
+    assert np.all(hid[..., widths[j]:] == 0.0)
+
+
+def test_token_share_weights_hand_computed():
+  w = mopd.token_share_weights(np.array([100, 300, 0, 600]), np.ones(4))
+  np.testing.assert_allclose(w, [10 / 3, 10 / 9, 0.0, 5 / 9], rtol=1e-9)
+  shares = np.array([100, 300, 0, 600]) / 1000
+  assert np.isclose(np.sum(shares * w), 1.0)
+  w = mopd.token_share_weights(np.array([200, 200]), np.array([3.0, 1.0]))
+  np.testing.assert_allclose(w, [1.5, 0.5])
+
+
+def test_gap_factors_hand_computed():
+  gap = np.array([0.2, 0.4, 0.1, 0.0])
+  seen = np.array([True, True, True, False])
+  f = mopd.gap_factors(gap, seen, np.ones(4) / 4, 1.0, 0.5, 2.0)
+  ref = 0.7 / 3
+  np.testing.assert_allclose(f, [0.2 / ref, 0.4 / ref, 0.5, 1.0], rtol=1e-9)
+  f = mopd.gap_factors(gap, seen, np.ones(4) / 4, 2.0, 0.1, 10.0)
+  np.testing.assert_allclose(f[:3], (gap[:3] / ref) ** 2, rtol=1e-9)
+  np.testing.assert_array_equal(
+      mopd.gap_factors(gap, np.zeros(4, bool), np.ones(4), 1.0, 0.5, 2.0),
+      np.ones(4))
+
+
+def test_normalise_by_tokens_and_gap_statistics():
+  w = mopd.normalise_by_tokens(np.array([2.0, 1.0]), np.array([10, 30]))
+  assert np.isclose((w * [10, 30]).sum() / 40, 1.0)
+  np.testing.assert_allclose(w / w[1], [2.0, 1.0])
+  a = np.array([-0.5, 0.25])
+  np.testing.assert_allclose(mopd.gap_statistic(a, "abs_signal"), [0.5, .25])
+  np.testing.assert_allclose(mopd.gap_statistic(a, "reverse_kl"), [.5, -.25])
+  with pytest.raises(ConfigError):
+    mopd.gap_statistic(a, "median")
+
+
+def test_proxy_teacher_scores_with_shifted_logits():
+  """Three models with signs (+, +, -) score ``log softmax(z_b + z_e -
+  z_i)``; with the student's base equal to the expert's init, that is the
+  expert itself."""
+  import jax
+  from mopd_jax.models import decoder
+  from mopd_jax.rollout import sampler
+  tok = CharTokenizer()
+  cfg = ModelConfig(vocab_size=tok.vocab_size, embed_dim=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
+  base, expert, init = (decoder.init_params(cfg, jax.random.key(i))
+                        for i in range(3))
+  rng = np.random.default_rng(1)
+  args = (rng.integers(3, 50, (8, 5)).astype(np.int32),
+          np.ones((8, 5), np.int32),
+          rng.integers(3, 50, (8, 6)).astype(np.int32),
+          np.ones((8, 6), np.int32))
+  proxy = mopd.make_scorer((cfg,) * 3, (1.0, 1.0, -1.0), 4, False, False)
+  alone = mopd.make_scorer((cfg,), (1.0,), 4, False, False)
+  np.testing.assert_allclose(proxy((init, expert, init), *args)["teacher_logp"],
+                             alone((expert,), *args)["teacher_logp"],
+                             rtol=1e-5, atol=1e-5)
+  sampling = sampler.SamplingConfig()
+  z = [np.asarray(sampler.completion_logits(p, cfg, *args, sampling))
+       for p in (base, expert, init)]
+  want = jax.nn.log_softmax(z[0] + z[1] - z[2], -1)
+  want = np.take_along_axis(np.asarray(want), args[2][..., None], -1)[..., 0]
+  np.testing.assert_allclose(proxy((base, expert, init), *args)["teacher_logp"],
+                             want, rtol=1e-5, atol=1e-5)
