@@ -1,0 +1,41 @@
+"""Headroom recovery: how much of the gap between the base and the
+domain-routed oracle ensemble a fused model closes, per domain and on
+average, from the ``eval.json`` files the stages write."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from mopd_jax.errors import CheckpointError
+
+
+def run_accuracies(run_dir: str, mode: str = "greedy") -> dict[str, float]:
+  """``{domain: accuracy}`` of the final evaluation of the run in
+  ``run_dir`` (``mode``: greedy or sampled)."""
+  path = os.path.join(os.path.expanduser(run_dir), "eval.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      scalars = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path}: no final evaluation ({e})") from None
+  prefix = f"eval/{mode}/"
+  return {k[len(prefix):-len("/accuracy")]: v for k, v in scalars.items()
+          if k.startswith(prefix) and k.endswith("/accuracy")}
+
+
+def oracle_accuracies(teacher_dirs: Mapping[str, str], mode: str = "greedy"
+                      ) -> dict[str, float]:
+  """The oracle ensemble: each domain answered by its own expert."""
+  return {d: run_accuracies(path, mode)[d] for d, path in teacher_dirs.items()}
+
+
+def headroom_recovery(student: Mapping[str, float], base: Mapping[str, float],
+                      oracle: Mapping[str, float]) -> dict[str, float]:
+  """``(acc_student_d - acc_base_d) / (acc_oracle_d - acc_base_d)`` for each
+  domain of ``oracle`` with positive headroom, and their ``mean``."""
+  out = {d: (student[d] - base[d]) / (oracle[d] - base[d])
+         for d in oracle if oracle[d] > base[d]}
+  out["mean"] = sum(out.values()) / max(len(out), 1)
+  return out
