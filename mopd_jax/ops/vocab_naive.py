@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def logits(h, w, scale=1.0):
@@ -38,3 +39,10 @@ def kl(h, w, teacher_h, teacher_w, scale=1.0, teacher_scale=None):
 def topk_logprobs(h, w, k, scale=1.0):
   """The ``k`` largest ``log softmax(z)`` of each row and their ids."""
   return jax.lax.top_k(jax.nn.log_softmax(logits(h, w, scale), axis=-1), k)
+
+
+def rel_err(x, reference) -> float:
+  """``max |x - ref| / max |ref|``, in float64: error relative to the scale."""
+  x = np.asarray(x, np.float64)
+  reference = np.asarray(reference, np.float64)
+  return float(np.max(np.abs(x - reference)) / np.max(np.abs(reference)))

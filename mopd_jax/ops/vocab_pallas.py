@@ -201,20 +201,19 @@ def _grads(cotangent, rows, cols, geo, h_shape, w_shape):
   """``dh = G W^T`` and ``dw = h^T G`` for the tile cotangents ``G``.
 
   ``rows[0]`` is the padded student ``h`` and ``cols[0]`` its ``W``;
-  ``cotangent(j, row_blocks, col_blocks) -> G`` (scale included). Returns
-  float32 gradients cut back to ``h_shape`` and ``w_shape``.
+  ``cotangent(j, row_blocks, col_blocks) -> G`` (scale included), float32
+  and multiplied by the upcast inputs as JAX's autodiff of materialised
+  logits does. Returns float32 gradients cut back to ``h_shape``/``w_shape``.
   """
   def dh_step(j, row_blocks, col_blocks, carry):
-    w = col_blocks[0]
-    g = cotangent(j, row_blocks, col_blocks).astype(w.dtype)
-    return (carry[0] + jax.lax.dot_general(
-        g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32),)
+    g = cotangent(j, row_blocks, col_blocks)
+    w = col_blocks[0].astype(jnp.float32)
+    return (carry[0] + jax.lax.dot_general(g, w, (((1,), (1,)), ((), ()))),)
 
   def dw_step(j, row_blocks, col_blocks, carry):
-    h = row_blocks[0]
-    g = cotangent(j, row_blocks, col_blocks).astype(h.dtype)
-    return (carry[0] + jax.lax.dot_general(
-        h, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32),)
+    g = cotangent(j, row_blocks, col_blocks)
+    h = row_blocks[0].astype(jnp.float32)
+    return (carry[0] + jax.lax.dot_general(h, g, (((0,), (0,)), ((), ()))),)
 
   d_pad = rows[0].shape[1]
   (dh,) = _reduce(dh_step, (0.0,), rows, cols, (d_pad,), geo, True)

@@ -51,9 +51,10 @@ def _grads(h, w, others, block_v, cotangent):
     dh, dw = carry
     wt = w_tiles[0]
     g = cotangent(valid, wt, w_tiles[1:])
-    dh = dh + jnp.dot(g.astype(wt.dtype), wt.T,
-                      preferred_element_type=jnp.float32)
-    update = jnp.dot(h.T, g.astype(h.dtype), preferred_element_type=jnp.float32)
+    # The float32 cotangent meets the upcast inputs, as in JAX's own
+    # autodiff of materialised logits: only dh and dw are rounded.
+    dh = dh + jnp.dot(g, wt.T.astype(jnp.float32))
+    update = jnp.dot(h.T.astype(jnp.float32), g)
     old = jax.lax.dynamic_slice_in_dim(dw, start, update.shape[1], axis=1)
     # Masked columns of an overlapping last tile add 0, so adding is exact.
     dw = jax.lax.dynamic_update_slice_in_dim(dw, old + update, start, axis=1)
