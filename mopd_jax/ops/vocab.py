@@ -18,7 +18,8 @@ Conventions shared by all ops:
   ``"pallas"`` (kernels in ``vocab_pallas``: Triton on GPU, Mosaic on TPU,
   the Pallas interpreter on CPU, for tests) or ``"auto"`` (Pallas on GPU and
   TPU, XLA otherwise). ``block_v`` (vocabulary tile) and ``block_n`` (row
-  block, Pallas only) default per implementation.
+  block, Pallas only) default per implementation; Pallas blocks must be
+  powers of two on GPU and ``(8, 128)``-aligned on TPU.
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *,
     float32 log-probs shaped like ``targets``; with ``with_entropy``, the
     pair ``(logprobs, entropy)``.
   """
+  if targets.shape[:h.ndim - 1] != h.shape[:-1] or targets.ndim > h.ndim:
+    raise ValueError(f"targets {targets.shape} do not match rows of h "
+                     f"{h.shape}: expected {h.shape[:-1]} or {h.shape[:-1]}"
+                     " + (K,)")
   cfg = _config(impl, block_n, block_v, scale)
   rows, keep = _rows(h, mask)
   flat_targets = targets.reshape(len(rows), -1)

@@ -95,6 +95,8 @@ def test_leading_dims_match_flat_rows():
                                 block_v=16)
   assert shaped.shape == (2, 5)
   np.testing.assert_array_equal(np.asarray(shaped).ravel(), np.asarray(flat))
+  with pytest.raises(ValueError, match="targets"):
+    vocab.token_logprobs(h.reshape(2, 5, 8), w, targets)
 
 
 def test_bfloat16_within_naive_bfloat16_error():
