@@ -13,9 +13,10 @@ Two layouts of that reduction, chosen by the backend:
 * ``"loop"`` (GPU/Triton): the grid covers the outer axis only and the kernel
   loops over the inner axis with ``fori_loop``, slicing the whole operand in
   global memory; GPU programs run concurrently, so a reduction may not span
-  grid steps. Triton needs power-of-two blocks (>= 16 for ``dot``), so ``d``
-  is zero-padded to one; a ``[block_n, d]`` hidden block stays resident, which
-  suits ``d`` up to about 1024 (lower ``block_n`` beyond).
+  grid steps. Triton needs power-of-two blocks (>= 16 for ``dot``), hence
+  ``d`` is zero-padded to a power of two (in both layouts); a
+  ``[block_n, d]`` hidden block stays resident, which suits ``d`` up to about
+  1024 (lower ``block_n`` beyond).
 * ``"grid"`` (TPU/Mosaic): the inner axis is the second, sequential
   (``"arbitrary"``) grid axis; the output block stays resident in VMEM across
   it and is initialised at its first step. Blocks are ``(8, 128)``-aligned.
@@ -64,6 +65,7 @@ class _Geometry(NamedTuple):
 
 
 def default_layout() -> str:
+  """``"grid"`` on TPU, ``"loop"`` elsewhere (GPU, and CPU interpretation)."""
   return "grid" if jax.default_backend() == "tpu" else "loop"
 
 
@@ -95,6 +97,57 @@ def _row_stat(x, geo):
   return _pad(x.astype(jnp.float32), 0, geo.n_pad)
 
 
+def _loop_kernel(step, init, n_rows, n_cols, n_inner, geo, over_vocab):
+  """GPU layout: one program per outer block, ``fori_loop`` over the inner."""
+  bn, bv = geo.bn, geo.bv
+
+  def kernel(*refs):
+    row_refs, col_refs, out_refs = (refs[:n_rows], refs[n_rows:n_rows + n_cols],
+                                    refs[n_rows + n_cols:])
+    outer = pl.program_id(0)
+    if over_vocab:
+      row_blocks = [r[...] for r in row_refs]
+
+      def body(k, carry):
+        start = pl.multiple_of(k * bv, bv)
+        return step(k, row_blocks, [c[:, pl.ds(start, bv)] for c in col_refs],
+                    carry)
+    else:
+      col_blocks = [c[...] for c in col_refs]
+
+      def body(k, carry):
+        start = pl.multiple_of(k * bn, bn)
+        return step(outer, [r[pl.ds(start, bn), :] for r in row_refs],
+                    col_blocks, carry)
+
+    carry = tuple(jnp.full(r.shape, v, jnp.float32)
+                  for r, v in zip(out_refs, init))
+    for ref, value in zip(out_refs, jax.lax.fori_loop(0, n_inner, body, carry)):
+      ref[...] = value
+
+  return kernel
+
+
+def _grid_kernel(step, init, n_rows, n_cols, over_vocab):
+  """TPU layout: the inner blocks are the sequential second grid axis."""
+  def kernel(*refs):
+    row_refs, col_refs, out_refs = (refs[:n_rows], refs[n_rows:n_rows + n_cols],
+                                    refs[n_rows + n_cols:])
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      for ref, value in zip(out_refs, init):
+        ref[...] = jnp.full(ref.shape, value, jnp.float32)
+
+    j = pl.program_id(1 if over_vocab else 0)
+    carry = step(j, [r[...] for r in row_refs], [c[...] for c in col_refs],
+                 tuple(r[...] for r in out_refs))
+    for ref, value in zip(out_refs, carry):
+      ref[...] = value
+
+  return kernel
+
+
 def _reduce(step, init, rows, cols, widths, geo: _Geometry, over_vocab: bool):
   """Runs ``step`` over every (row block, vocabulary tile) pair.
 
@@ -108,80 +161,47 @@ def _reduce(step, init, rows, cols, widths, geo: _Geometry, over_vocab: bool):
   """
   bn, bv = geo.bn, geo.bv
   ni, nj = geo.n_pad // bn, geo.v_pad // bv
-  n_outer, n_inner = (ni, nj) if over_vocab else (nj, ni)
   if over_vocab:
     out_shapes = [(geo.n_pad, w) for w in widths]
     out_blocks = [(bn, w) for w in widths]
   else:
     out_shapes = [(w, geo.v_pad) for w in widths]
     out_blocks = [(w, bv) for w in widths]
-  n_rows, n_cols = len(rows), len(cols)
 
-  def split(refs):
-    return (refs[:n_rows], refs[n_rows:n_rows + n_cols],
-            refs[n_rows + n_cols:])
+  def row_block(x):
+    return (bn, x.shape[1])
 
-  def fill(refs):
-    return tuple(jnp.full(r.shape, v, jnp.float32) for r, v in zip(refs, init))
-
-  def store(refs, carry):
-    for ref, value in zip(refs, carry):
-      ref[...] = value
+  def col_block(x):
+    return (x.shape[0], bv)
 
   if geo.layout == "loop":
-    def loop_kernel(*refs):
-      row_refs, col_refs, out_refs = split(refs)
-      outer = pl.program_id(0)
-      if over_vocab:
-        row_blocks = [r[...] for r in row_refs]
-
-        def body(k, carry):
-          start = pl.multiple_of(k * bv, bv)
-          return step(k, row_blocks, [c[:, pl.ds(start, bv)] for c in col_refs],
-                      carry)
-      else:
-        col_blocks = [c[...] for c in col_refs]
-
-        def body(k, carry):
-          start = pl.multiple_of(k * bn, bn)
-          return step(outer, [r[pl.ds(start, bn), :] for r in row_refs],
-                      col_blocks, carry)
-
-      store(out_refs, jax.lax.fori_loop(0, n_inner, body, fill(out_refs)))
-
-    kernel, grid = loop_kernel, (n_outer,)
+    # Only the outer operand is blocked; the inner one is sliced in the loop.
+    kernel = _loop_kernel(step, init, len(rows), len(cols),
+                          nj if over_vocab else ni, geo, over_vocab)
+    grid = (ni,) if over_vocab else (nj,)
+    by_rows, by_cols, whole = ((lambda o: (o, 0)), (lambda o: (0, o)),
+                               (lambda o: (0, 0)))
     if over_vocab:
-      row_map, col_map, out_map = ((lambda o: (o, 0)), (lambda o: (0, 0)),
-                                   (lambda o: (o, 0)))
-      row_shape, col_shape = (lambda x: (bn, x.shape[1])), (lambda x: x.shape)
+      row_specs = [pl.BlockSpec(row_block(x), by_rows) for x in rows]
+      col_specs = [pl.BlockSpec(x.shape, whole) for x in cols]
+      out_map = by_rows
     else:
-      row_map, col_map, out_map = ((lambda o: (0, 0)), (lambda o: (0, o)),
-                                   (lambda o: (0, o)))
-      row_shape, col_shape = (lambda x: x.shape), (lambda x: (x.shape[0], bv))
+      row_specs = [pl.BlockSpec(x.shape, whole) for x in rows]
+      col_specs = [pl.BlockSpec(col_block(x), by_cols) for x in cols]
+      out_map = by_cols
     params = pltriton.CompilerParams(num_warps=4, num_stages=2)
   else:
-    def grid_kernel(*refs):
-      row_refs, col_refs, out_refs = split(refs)
-      inner = pl.program_id(1)
-
-      @pl.when(inner == 0)
-      def _():
-        store(out_refs, fill(out_refs))
-
-      j = inner if over_vocab else pl.program_id(0)
-      carry = tuple(r[...] for r in out_refs)
-      store(out_refs, step(j, [r[...] for r in row_refs],
-                           [c[...] for c in col_refs], carry))
-
-    kernel, grid = grid_kernel, (n_outer, n_inner)
+    kernel = _grid_kernel(step, init, len(rows), len(cols), over_vocab)
+    grid = (ni, nj) if over_vocab else (nj, ni)
+    # Grid index (outer o, inner k): row block and vocabulary tile of a step.
     if over_vocab:
       row_map, col_map, out_map = ((lambda o, k: (o, 0)), (lambda o, k: (0, k)),
                                    (lambda o, k: (o, 0)))
     else:
       row_map, col_map, out_map = ((lambda o, k: (k, 0)), (lambda o, k: (0, o)),
                                    (lambda o, k: (0, o)))
-    row_shape, col_shape = (lambda x: (bn, x.shape[1])), (
-        lambda x: (x.shape[0], bv))
+    row_specs = [pl.BlockSpec(row_block(x), row_map) for x in rows]
+    col_specs = [pl.BlockSpec(col_block(x), col_map) for x in cols]
     params = pltpu.CompilerParams(
         dimension_semantics=("parallel", "arbitrary"))
 
@@ -189,10 +209,9 @@ def _reduce(step, init, rows, cols, widths, geo: _Geometry, over_vocab: bool):
       kernel,
       out_shape=[jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes],
       grid=grid,
-      in_specs=([pl.BlockSpec(row_shape(x), row_map) for x in rows]
-                + [pl.BlockSpec(col_shape(x), col_map) for x in cols]),
+      in_specs=row_specs + col_specs,
       out_specs=[pl.BlockSpec(b, out_map) for b in out_blocks],
-      compiler_params=None if geo.interpret else params,
+      compiler_params=params,
       interpret=geo.interpret,
   )(*rows, *cols)
 
@@ -223,7 +242,10 @@ def _grads(cotangent, rows, cols, geo, h_shape, w_shape):
 
 def lse_stats(h, w, *, scale, block_v=None, block_n=None, layout=None,
               interpret=False):
-  """``(lse, entropy)`` of each row of ``z = scale * h @ w``, each ``[N, 1]``."""
+  """``(lse, entropy)`` of each row of ``z = scale * h @ w``, each ``[N, 1]``.
+
+  ``layout`` defaults to ``default_layout()``, blocks to ``BLOCKS[layout]``.
+  """
   geo = _geometry(len(h), w.shape[1], block_n, block_v, layout, interpret)
 
   def step(j, row_blocks, col_blocks, stats):

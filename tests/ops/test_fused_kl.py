@@ -12,7 +12,10 @@ from mopd_jax.ops.vocab_naive import rel_err
 
 def inputs(seed, n, d, d_t, v):
   rng = np.random.default_rng(seed)
-  normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+
+  def normal(*shape):
+    return rng.normal(size=shape).astype(np.float32)
+
   return (normal(n, d), normal(d, v) * 2 / np.sqrt(d), normal(n, d_t),
           normal(d_t, v) * 2 / np.sqrt(d_t), normal(n), normal(n))
 
@@ -72,7 +75,10 @@ def test_mix_interpolates_forward_and_reverse():
 
 def test_identical_student_and_teacher_give_zero():
   h, w, _, _, _, _ = inputs(1, 10, 8, 8, 70)
-  fn = lambda h, w: vocab.vocab_kl(h, w, h, w, impl="xla", block_v=32)
+
+  def fn(h, w):
+    return vocab.vocab_kl(h, w, h, w, impl="xla", block_v=32)
+
   kl = jax.jit(fn)(h, w)
   grads = jax.jit(jax.grad(lambda h, w: jnp.sum(fn(h, w).mix(0.5)),
                            (0, 1)))(h, w)
