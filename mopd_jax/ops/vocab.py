@@ -6,7 +6,8 @@ logits ``z = scale * h @ w`` without materialising them: the vocabulary is
 walked in tiles with an online log-sum-exp, only per-row statistics
 (``lse``, entropy, KL) are kept for the backward pass, and each tile's logits
 are recomputed there (``jax.custom_vjp``). ``scale`` is the inverse sampling
-temperature ``1 / tau`` (callers do not pre-scale ``h``).
+temperature ``1 / tau`` (callers do not pre-scale ``h``), a Python number:
+it is static, part of the compiled function.
 
 Conventions shared by all ops:
 
