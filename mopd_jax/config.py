@@ -103,15 +103,15 @@ def defaults(method: str) -> ml_collections.ConfigDict:
         kl_estimator="k3",  # k1 | k2 | k3
         aggregation="token_mean",  # | seq_mean_token_mean | constant
         drop_equal_groups=False,
-        # Completion positions per tile of the full-vocabulary work in the
-        # loss ([batch, tile, vocab] logits live at a time).
-        tile_positions=16,
     ))
   if method == "mix_rl":
     c.mixture = ml_collections.ConfigDict(dict(
         adaptive=False, exploration=0.5, floor=0.05, momentum=0.9))
   if method == "mopd":
     _mopd(c)
+  # The fused vocabulary ops of every loss: auto (Pallas on GPU/TPU, XLA
+  # elsewhere) | xla | pallas; block_v: vocabulary tile (0: the op's default).
+  c.ops = ml_collections.ConfigDict(dict(impl="auto", block_v=0))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   return c
 
@@ -217,7 +217,6 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rl.advantage", lambda v: v in ("grpo", "drgrpo", "rloo"),
      "grpo, drgrpo or rloo"),
     ("rl.advantage_eps", _positive, "> 0"),
-    ("rl.tile_positions", _positive, "> 0"),
     ("rl.eps_low", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("rl.eps_high", _non_negative, ">= 0"),
     ("rl.dual_clip", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
@@ -246,6 +245,9 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("open_mopd.gap_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("open_mopd.gap_steers", lambda v: v in ("loss", "sampling", "both"),
      "loss, sampling or both"),
+    ("ops.impl", lambda v: v in ("auto", "xla", "pallas"),
+     "auto, xla or pallas"),
+    ("ops.block_v", _non_negative, ">= 0 (0: the op's default)"),
     ("mixture.exploration", _non_negative, ">= 0"),
     ("mixture.floor", _non_negative, ">= 0"),
     ("mixture.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -345,11 +347,14 @@ def _validate_mopd(full) -> None:
                       f" {len(full.data.domains)} domains")
   if full.open_mopd.gap_min > full.open_mopd.gap_max:
     raise ConfigError("open_mopd.gap_min: must be <= open_mopd.gap_max")
-  if full.opd.loss != "pg":
-    for field, off in (("proxy_teacher", False), ("extrapolation", 1.0)):
-      if full.opd[field] != off:
-        raise ConfigError(f"opd.{field}: needs opd.loss='pg' (a sampled-token"
-                          " signal)")
+  if full.opd.loss != "pg" and full.opd.extrapolation != 1.0:
+    raise ConfigError("opd.extrapolation: needs opd.loss='pg' (a sampled-token"
+                      " signal)")
+
+
+def op_options(config: ml_collections.ConfigDict) -> dict:
+  """Keyword options of the fused vocabulary ops, from ``config.ops``."""
+  return dict(impl=config.ops.impl, block_v=config.ops.block_v or None)
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:

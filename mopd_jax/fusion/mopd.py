@@ -28,8 +28,7 @@ from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.objectives import opd
-from mopd_jax.objectives.policy import over_positions
-from mopd_jax.ops.logprobs import entropy, log_softmax
+from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
 from mopd_jax.stages import common
 
@@ -131,43 +130,43 @@ class OracleRouter:
 ROUTERS = {"oracle": OracleRouter}
 
 
-def teacher_rows(parts, completion, tile: int, want_entropy: bool) -> dict:
-  """Per completion position: the teacher's log-prob of the sampled token
-  (and its entropy). ``parts`` is ``[(h [B, T, D_i], W_i [D_i, V],
-  sign_i)]``; the teacher's logits are ``sum_i sign_i h_i W_i`` (one part
-  for an expert, three for the proxy teacher)."""
-
-  def fn(y, *hs):
-    z = sum(sign * jnp.einsum("btd,dv->btv", h, w.astype(h.dtype),
-                              preferred_element_type=jnp.float32)
-            for h, (_, w, sign) in zip(hs, parts))
-    out = {"teacher_logp": jnp.take_along_axis(
-        log_softmax(z), y[..., None], -1)[..., 0]}
-    if want_entropy:
-      out["teacher_entropy"] = entropy(z)
-    return out
-
-  return over_positions(fn, tile, completion, *(h for h, _, _ in parts))
+def combined_unembedding(cfgs, params_list) -> jax.Array:
+  """``[W_1; ...; W_n]`` [sum_i D_i, V] in float32: with the hidden states
+  concatenated as ``[s_1 h_1, ..., s_n h_n]`` the logits are
+  ``sum_i s_i h_i W_i`` (for the proxy teacher ``z_student_base + (z_expert -
+  z_expert_init)``, signs ``(+1, +1, -1)``)."""
+  return jnp.concatenate([decoder.output_weight(p, c).astype(jnp.float32)
+                          for c, p in zip(cfgs, params_list)], axis=0)
 
 
 @functools.lru_cache(maxsize=None)
 def make_scorer(cfgs: tuple[ModelConfig, ...], signs: tuple[float, ...],
-                tile: int, want_entropy: bool, want_hidden: bool):
+                want_entropy: bool, want_hidden: bool, ops: tuple = ()):
   """A jitted ``(params_list, prompt, prompt_mask, completion, mask) ->
-  dict`` for a teacher made of models of architectures ``cfgs`` (logits
-  ``sum sign_i z_i``, i.e. ``opd.proxy_logits`` for the three models of a
-  proxy teacher); teachers of one architecture share one."""
+  dict`` for a teacher made of models of architectures ``cfgs`` whose logits
+  are ``sum_i sign_i z_i`` (one model for an expert, three for the proxy
+  teacher): the log-prob of every sampled token (``teacher_logp``), and as
+  asked its entropy and the concatenated hidden states that, with
+  ``combined_unembedding``, give the full distribution later. ``ops``: the
+  fused op's options as ``(key, value)`` pairs. Teachers of one
+  architecture share one compiled scorer."""
 
   @jax.jit
   def score(params_list, prompt, prompt_mask, completion, mask):
-    parts = []
-    for cfg, params, sign in zip(cfgs, params_list, signs):
-      h = sampler.completion_hidden(params, cfg, prompt, prompt_mask,
-                                    completion, mask)
-      parts.append((h, decoder.output_weight(params, cfg), sign))
-    out = teacher_rows(parts, completion, tile, want_entropy)
+    h = jnp.concatenate([
+        sign * sampler.completion_hidden(p, cfg, prompt, prompt_mask,
+                                         completion, mask).astype(jnp.float32)
+        for cfg, p, sign in zip(cfgs, params_list, signs)], axis=-1)
+    w = combined_unembedding(cfgs, params_list)
+    logp = vocab.token_logprobs(h, w, completion, mask=mask,
+                                with_entropy=want_entropy, **dict(ops))
+    out = {}
+    if want_entropy:
+      out["teacher_logp"], out["teacher_entropy"] = logp
+    else:
+      out["teacher_logp"] = logp
     if want_hidden:
-      out["teacher_hidden"] = parts[0][0].astype(jnp.float32)
+      out["teacher_hidden"] = h
     return out
 
   return score

@@ -1,4 +1,5 @@
-"""Log-probabilities and entropies from logits (reference XLA path)."""
+"""Log-probabilities of chosen tokens from materialised logits (the sampler
+has one row per sequence per step; training losses use ``ops.vocab``)."""
 
 from __future__ import annotations
 
@@ -11,23 +12,3 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   logits = logits.astype(jnp.float32)
   picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
   return picked - jax.nn.logsumexp(logits, axis=-1)
-
-
-def next_token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """Log-prob of ``tokens[:, t]`` under the prediction made at ``t - 1``.
-
-  Returns [B, T-1]: entry ``t-1`` scores token ``t`` (the usual shift).
-  """
-  return token_logprobs(logits[:, :-1], tokens[:, 1:])
-
-
-def log_softmax(z: jax.Array) -> jax.Array:
-  """``z - logsumexp(z)`` over the last axis, in float32."""
-  return jax.nn.log_softmax(z.astype(jnp.float32), axis=-1)
-
-
-def entropy(z: jax.Array) -> jax.Array:
-  """``H = -sum_v p_v log p_v`` over the last axis (-inf logits allowed)."""
-  logp = log_softmax(z)
-  return -jnp.sum(jnp.exp(logp) * jnp.where(jnp.isfinite(logp), logp, 0.0),
-                  axis=-1)

@@ -21,8 +21,8 @@ from mopd_jax import parallel, training
 from mopd_jax.data import mixture
 from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import mopd
-from mopd_jax.models import decoder
 from mopd_jax.objectives import grpo, opd, policy
+from mopd_jax.ops import vocab
 from mopd_jax.reductions import masked_sum_count
 from mopd_jax.stages import common, rl
 
@@ -33,15 +33,18 @@ def full_vocabulary(opd_cfg) -> bool:
   return opd_cfg.loss in ("topk", "kl") or opd_cfg.entropy_threshold > 0
 
 
-def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool):
+def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
+              ops: dict):
   """The distillation loss of a minibatch, ``(params, mb, teacher_w)``.
 
   ``mb`` holds per-sequence arrays: the rollout, ``old_logp``,
   ``teacher_logp`` (and ``teacher_hidden``, ``teacher_entropy``,
   ``ref_logp`` as the options need), the outcome ``advantages``, the
   routed ``teacher_id`` and the per-sequence loss ``weight`` (Open-MOPD).
-  ``teacher_w`` [teachers, D, V] stacks the teachers' output projections
-  (zero rows pad a smaller hidden size: the logits are unchanged).
+  ``teacher_w`` [teachers, D, V] stacks the teachers' unembeddings (zero
+  rows pad a smaller hidden size: the logits are unchanged); every
+  full-vocabulary term runs once per teacher over only its rows (the fused
+  ops give masked rows 0).
 
   With ``a_t = log T(y_t) - log pi(y_t)`` (``pi`` the current student under
   ``refresh``, else the rollout-time one), per token:
@@ -52,35 +55,23 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool):
   group advantage, plus the forward KL where ``H(T) > entropy_threshold``.
   Each token's loss is multiplied by its sequence's ``weight``.
   """
-  wide = full_vocabulary(opd_cfg)
 
   def loss_fn(params, mb, teacher_w):
-    def per_position(z, h_teacher, teacher_id):
-      zt = jnp.zeros_like(z)  # each position's own teacher's logits
-      for j in range(teacher_w.shape[0]):
-        zj = jnp.einsum("btd,dv->btv", h_teacher, teacher_w[j],
-                        preferred_element_type=jnp.float32)
-        zt = jnp.where((teacher_id == j)[..., None], zj, zt)
-      out = {}
-      if opd_cfg.loss == "kl":
-        out["kl"] = opd.vocab_kl(z, zt, opd_cfg.kl_alpha)
-      if opd_cfg.loss == "topk":
-        out["topk_loss"], out["topk_reward"] = opd.topk_dense_loss(
-            z, zt, opd_cfg.top_k)
-      if opd_cfg.entropy_threshold > 0:
-        out["forward_kl"] = opd.vocab_kl(z, zt, 1.0)
-      return out
-
-    extra = ()
-    if wide:
-      extra = (mb["teacher_hidden"],
-               jnp.broadcast_to(mb["teacher_id"][:, None],
-                                mb["completion"].shape))
     stats = policy.student_positions(params, model_cfg, mb,
-                                     sampling.temperature,
-                                     rl_cfg.tile_positions,
-                                     per_position if wide else None, extra)
+                                     sampling.temperature, ops)
     logp = stats["logp"]
+
+    def routed(fn):
+      """``sum_j fn(j, mask_j)``: each row gets its own teacher's value."""
+      outs = [fn(j, mb["mask"] * (mb["teacher_id"] == j)[:, None])
+              for j in range(teacher_w.shape[0])]
+      return jax.tree.map(lambda *xs: sum(xs), *outs)
+
+    def kl(j, mask):
+      return vocab.vocab_kl(stats["h"], stats["w"], mb["teacher_hidden"],
+                            teacher_w[j], mask=mask, scale=stats["scale"],
+                            teacher_scale=1.0, **ops)
+
     student = jax.lax.stop_gradient(logp) if refresh else mb["old_logp"]
     signal = opd.token_signal(mb["teacher_logp"], student)
     if opd_cfg.extrapolation != 1.0:
@@ -90,11 +81,21 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool):
     outcome = opd_cfg.lambda_orm * mb["advantages"][:, None]
     clip_args = (rl_cfg.eps_low, rl_cfg.eps_high, rl_cfg.dual_clip,
                  mb.get("behaviour_logp"), rl_cfg.tis_cap)
+    metrics = {}
     if opd_cfg.loss == "pg":
       per_token, clipped = grpo.clipped_policy_loss(
           logp, mb["old_logp"], gate * signal + outcome, *clip_args)
     else:
-      dense = stats["kl"] if opd_cfg.loss == "kl" else stats["topk_loss"]
+      if opd_cfg.loss == "kl":
+        dense = routed(kl).mix(opd_cfg.kl_alpha)
+      else:
+        top_logp, ids = vocab.topk_logprobs(
+            stats["h"], stats["w"], opd_cfg.top_k, mask=mb["mask"],
+            scale=stats["scale"], **ops)
+        teacher_top = routed(lambda j, mask: vocab.token_logprobs(
+            mb["teacher_hidden"], teacher_w[j], ids, mask=mask, **ops))
+        dense, reward = opd.topk_dense_loss(top_logp, teacher_top)
+        metrics["topk_reward"] = reward
       per_token, clipped = grpo.clipped_policy_loss(
           logp, mb["old_logp"], jnp.broadcast_to(outcome, logp.shape),
           *clip_args)
@@ -102,23 +103,23 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool):
     if opd_cfg.entropy_threshold > 0:
       per_token = per_token + jnp.where(
           mb["teacher_entropy"] > opd_cfg.entropy_threshold,
-          stats["forward_kl"], 0.0)
+          routed(kl).forward, 0.0)
     per_token = per_token * mb["weight"][:, None]
     mask = mb["mask"] * mb["keep"][:, None]
-    metrics = {"signal": masked_sum_count(signal, mask),
-               "gated": masked_sum_count(1.0 - gate, mask)}
-    if opd_cfg.loss == "topk":
-      metrics["topk_reward"] = masked_sum_count(stats["topk_reward"], mask)
+    metrics = {k: masked_sum_count(v, mask) for k, v in metrics.items()}
+    metrics.update(signal=masked_sum_count(signal, mask),
+                   gated=masked_sum_count(1.0 - gate, mask))
     return policy.finish(per_token, clipped, stats, mb, rl_cfg,
                          sampling.max_new_tokens, metrics)
 
   return loss_fn
 
 
-def stacked_output_weights(teachers) -> jax.Array:
-  """[teachers, D_max, V] output projections, zero-padded in D."""
-  ws = [decoder.output_weight(t.model.params, t.model.cfg).astype(jnp.float32)
-        for t in teachers]
+def stacked_unembeddings(teacher_params, teacher_cfgs) -> jax.Array:
+  """[teachers, D_max, V]: each teacher's ``mopd.combined_unembedding``,
+  zero-padded in D."""
+  ws = [mopd.combined_unembedding(c, p)
+        for c, p in zip(teacher_cfgs, teacher_params)]
   width = max(w.shape[0] for w in ws)
   return jnp.stack([jnp.pad(w, ((0, width - w.shape[0]), (0, 0)))
                     for w in ws])
@@ -164,15 +165,17 @@ def run(config, workdir: str):
   student_init = (mopd.Model(model_cfg, base_params)
                   if opd_cfg.proxy_teacher else None)
   wide = full_vocabulary(opd_cfg)
-  scorers, teacher_params = [], []
+  ops = config_lib.op_options(config)
+  scorers, teacher_params, teacher_cfgs = [], [], []
   for t in teachers:
     models, signs = mopd.teacher_models(t, student_init)
-    scorers.append(mopd.make_scorer(
-        tuple(m.cfg for m in models), signs, rl_cfg.tile_positions,
-        opd_cfg.entropy_threshold > 0, wide))
+    teacher_cfgs.append(tuple(m.cfg for m in models))
     teacher_params.append(tuple(m.params for m in models))
-  teacher_w = stacked_output_weights(teachers) if wide else jnp.zeros(
-      (len(teachers), 1, 1))
+    scorers.append(mopd.make_scorer(teacher_cfgs[-1], signs,
+                                    opd_cfg.entropy_threshold > 0, wide,
+                                    tuple(ops.items())))
+  teacher_w = (stacked_unembeddings(teacher_params, teacher_cfgs) if wide
+               else jnp.zeros((len(teachers), 1, 1)))
   hidden_width = int(teacher_w.shape[1]) if wide else 0
 
   optimizer = training.make_optimizer(config.optim, config.train.steps)
@@ -180,7 +183,7 @@ def run(config, workdir: str):
     state = training.init_state(params, optimizer)
   state["gap"] = mixture.init_state(len(names))
   update = rl.make_update(
-      make_loss(model_cfg, sampling, rl_cfg, opd_cfg, om.reward_refresh),
+      make_loss(model_cfg, sampling, rl_cfg, opd_cfg, om.reward_refresh, ops),
       optimizer)
   shard = parallel.batch_sharding(mesh)
 

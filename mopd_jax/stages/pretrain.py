@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mopd_jax import config as config_lib
 from mopd_jax import parallel, training
 from mopd_jax.data import batching, mixture
 from mopd_jax.objectives.sft import sft_loss
@@ -39,6 +40,7 @@ def run(config, workdir: str):
   test_sets = common.eval_sets(config, config.data.domains)
   weights = mixture.base_weights(config.data.domains, config.data.weights)
   length = config.data.max_prompt_len + config.sampling.max_new_tokens
+  ops = config_lib.op_options(config)
 
   optimizer = training.make_optimizer(config.optim, config.train.steps)
   with parallel.activate(mesh):
@@ -48,7 +50,7 @@ def run(config, workdir: str):
   @functools.partial(jax.jit, donate_argnums=0)
   def train_step(state, batch):
     def loss_fn(params):
-      total, count = sft_loss(params, model_cfg, batch)
+      total, count = sft_loss(params, model_cfg, batch, ops)
       return total / count, (total, count)
 
     grads, (total, count) = jax.grad(loss_fn, has_aux=True)(state["params"])

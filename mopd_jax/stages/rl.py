@@ -40,12 +40,13 @@ def draw_prompts(train_sets, weights: np.ndarray, count: int, seed: int,
           for d in ids], ids
 
 
-def make_loss(model_cfg, sampling, rl):
-  """Minibatch loss: clipped PG (+ beta KL to the reference), aggregated."""
+def make_loss(model_cfg, sampling, rl, ops: dict):
+  """Minibatch loss: clipped PG (+ beta KL to the reference), aggregated;
+  ``ops``: options of the fused vocabulary ops."""
 
   def loss_fn(params, mb):
     stats = policy.student_positions(params, model_cfg, mb,
-                                     sampling.temperature, rl.tile_positions)
+                                     sampling.temperature, ops)
     per_token, clipped = grpo.clipped_policy_loss(
         stats["logp"], mb["old_logp"], mb["advantages"], rl.eps_low,
         rl.eps_high, rl.dual_clip, mb.get("behaviour_logp"), rl.tis_cap)
@@ -216,7 +217,8 @@ def run(config, workdir: str):
   with parallel.activate(mesh):
     state = training.init_state(params, optimizer)
   state["mixture"] = mixture.init_state(len(names))
-  update = make_update(make_loss(model_cfg, sampling, rl), optimizer)
+  update = make_update(make_loss(model_cfg, sampling, rl,
+                                 config_lib.op_options(config)), optimizer)
   shard = parallel.batch_sharding(mesh)
 
   def step_fn(state, step):

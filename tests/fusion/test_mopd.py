@@ -137,8 +137,8 @@ def test_proxy_teacher_scores_with_shifted_logits():
           np.ones((8, 5), np.int32),
           rng.integers(3, 50, (8, 6)).astype(np.int32),
           np.ones((8, 6), np.int32))
-  proxy = mopd.make_scorer((cfg,) * 3, (1.0, 1.0, -1.0), 4, False, False)
-  alone = mopd.make_scorer((cfg,), (1.0,), 4, False, False)
+  proxy = mopd.make_scorer((cfg,) * 3, (1.0, 1.0, -1.0), False, False)
+  alone = mopd.make_scorer((cfg,), (1.0,), False, False)
   np.testing.assert_allclose(proxy((init, expert, init), *args)["teacher_logp"],
                              alone((expert,), *args)["teacher_logp"],
                              rtol=1e-5, atol=1e-5)

@@ -20,7 +20,6 @@ from mopd_jax.fusion import mopd
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
-from mopd_jax.objectives import opd
 from mopd_jax.rollout import sampler
 from mopd_jax.stages import mopd as mopd_stage
 from mopd_jax.stages import rl as rl_stage
@@ -37,7 +36,7 @@ def _cfg(embed, layers=1):
 
 def _sections(**opd_overrides):
   c = config_lib.defaults("mopd")
-  c.rl.update(tile_positions=4, minibatches=1)
+  c.rl.update(minibatches=1)
   c.opd.update(opd_overrides)
   return c.rl, c.opd
 
@@ -56,7 +55,7 @@ def _batch(student, teachers, teacher_ids):
               keep=np.ones(4, np.float32), weight=np.ones(4, np.float32),
               teacher_id=teacher_ids)
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
-  scorers = [mopd.make_scorer((cfg,), (1.0,), 4, True, True)
+  scorers = [mopd.make_scorer((cfg,), (1.0,), True, True)
              for cfg, _ in teachers]
   width = max(cfg.embed_dim for cfg, _ in teachers)
   data.update(mopd.score(scorers, [(p,) for _, p in teachers], teacher_ids,
@@ -98,15 +97,18 @@ def test_routed_scores_and_the_kl_loss_match_full_logits():
                              -(np.exp(lt) * lt).sum(-1) * mask, rtol=1e-5,
                              atol=1e-5)
   rl, opd_cfg = _sections(loss="kl", kl_alpha=0.3)
-  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False)
-  teacher_w = mopd_stage.stacked_output_weights(
-      [mopd.Teacher("", "", mopd.Model(cfg, p), None) for cfg, p in teachers])
+  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, {})
+  teacher_w = mopd_stage.stacked_unembeddings(
+      [(p,) for _, p in teachers], [(cfg,) for cfg, _ in teachers])
 
   def naive(params):
     z = sampler.completion_logits(params, student[0], data["prompt"],
                                   data["prompt_mask"], data["completion"],
                                   data["mask"], SAMPLING)
-    return _masked_mean(opd.vocab_kl(z, zt, 0.3), mask)
+    ls, lt = jax.nn.log_softmax(z, -1), jax.nn.log_softmax(zt, -1)
+    reverse = jnp.sum(jnp.exp(ls) * (ls - lt), -1)
+    forward = jnp.sum(jnp.exp(lt) * (lt - ls), -1)
+    return _masked_mean(0.3 * forward + 0.7 * reverse, mask)
 
   loss, _ = loss_fn(student[1], data, teacher_w)
   np.testing.assert_allclose(loss, naive(student[1]), rtol=1e-5)
@@ -132,7 +134,7 @@ def test_pg_loss_is_reinforce_on_the_signal_and_refresh_rescores():
     a = data["teacher_logp"] - data["old_logp"]
     return _masked_mean(-a * logp_of(params), mask)
 
-  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False)
+  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, {})
   got = jax.grad(lambda p: loss_fn(p, data, teacher_w)[0])(student[1])
   for g, w in zip(jax.tree.leaves(got),
                   jax.tree.leaves(jax.grad(naive)(student[1]))):
@@ -141,7 +143,7 @@ def test_pg_loss_is_reinforce_on_the_signal_and_refresh_rescores():
   moved = jax.tree.map(lambda x: x * 1.1, student[1])
   current = np.asarray(logp_of(moved))
   for refresh, student_logp in ((False, data["old_logp"]), (True, current)):
-    fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh)
+    fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, {})
     total, count = fn(moved, data, teacher_w)[1]["signal"]
     np.testing.assert_allclose(
         total / count,
@@ -164,8 +166,8 @@ def test_distillation_closes_the_gap_to_a_teacher():
   optimizer = optax.adam(1e-2)
   train = dict(params=student, opt_state=optimizer.init(student))
   update = rl_stage.make_update(
-      mopd_stage.make_loss(cfg, SAMPLING, rl, opd_cfg, True), optimizer)
-  scorer = mopd.make_scorer((cfg,), (1.0,), 4, False, False)
+      mopd_stage.make_loss(cfg, SAMPLING, rl, opd_cfg, True, {}), optimizer)
+  scorer = mopd.make_scorer((cfg,), (1.0,), False, False)
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
   prompts = ["add 1+2=", "rev abc:", "sort cab:", "len of abcd:"]
   prompt, pmask = batching.encode_prompts(

@@ -35,7 +35,7 @@ def test_grpo_raises_reward_on_an_easy_task():
   optimizer = optax.adam(1e-2)
   train = dict(params=decoder.init_params(cfg, jax.random.key(0)))
   train["opt_state"] = optimizer.init(train["params"])
-  update = rl_stage.make_update(rl_stage.make_loss(cfg, sampling, rl),
+  update = rl_stage.make_update(rl_stage.make_loss(cfg, sampling, rl, {}),
                                 optimizer)
   prompts = ["add 1+2=", "rev abc:", "sort cab:", "len of abcd:"] * 2
   prompt, mask = batching.encode_prompts(
