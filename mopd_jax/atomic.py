@@ -1,0 +1,35 @@
+"""Atomic file writes: a reader (or a run killed mid-write) sees the old file
+or the new one, never half of one.
+
+The text goes to a temporary file in the same directory, is flushed to disk,
+and is renamed over the target (``os.replace`` is atomic on POSIX and
+Windows within one file system).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  """Replace the file at ``path`` with ``text`` (UTF-8) in one step."""
+  # Per process, so that two runs never share a temporary file; open()
+  # (unlike mkstemp) gives the file the usual permissions.
+  tmp = f"{path}.{os.getpid()}.tmp"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_json_atomic(path: str, payload: Any) -> None:
+  """``payload`` as indented, key-sorted JSON, written atomically."""
+  write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
