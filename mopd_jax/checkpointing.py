@@ -1,48 +1,122 @@
 """Orbax checkpoints of the whole train state: save every N steps, keep K,
-resume from the latest on a re-run of the same command."""
+resume from the newest readable one on a re-run of the same command.
+
+Layout: ``<workdir>/ckpt/<step>/default`` holds the train-state pytree and
+``<step>/loop`` a small JSON dict of the step loop's own state (see
+``training.run_loop``). What holds:
+
+* A half-written checkpoint never appears under its step's name: Orbax writes
+  into a temporary directory and renames it once complete; the leftovers of a
+  killed save are removed when the next run starts.
+* Steps beyond ``keep`` are deleted only after a newer step is complete.
+* Restoring takes the newest step that reads back. An unreadable one
+  (truncated, garbled or missing files) is reported in one warning line,
+  moved to ``<workdir>/ckpt_corrupt/`` (so that its step can be saved again)
+  and the step before it is tried.
+* A readable checkpoint of another shape (another model or method) is a
+  ``CheckpointError`` naming the first mismatching array, never a fallback.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import sys
+import time
+from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
+from mopd_jax.checksum import named_leaves
 from mopd_jax.errors import CheckpointError
+
+# Item names; "default" is where single-item checkpoints of earlier versions
+# kept the state, so those stay readable.
+STATE, LOOP = "default", "loop"
+CORRUPT_DIR = "ckpt_corrupt"
+
+# What reading a damaged checkpoint raises: tensorstore and JSON decoding
+# errors are ValueErrors, missing files OSErrors, a missing item a KeyError.
+_UNREADABLE = (OSError, ValueError, KeyError)
+
+
+def _manager(directory: str, state_handler, **options):
+  return ocp.CheckpointManager(
+      directory,
+      item_handlers={STATE: state_handler, LOOP: ocp.JsonCheckpointHandler()},
+      options=ocp.CheckpointManagerOptions(**options))
 
 
 class Checkpointer:
-  """A thin wrapper over ``ocp.CheckpointManager`` under ``<workdir>/ckpt``."""
+  """The checkpoints of one run, under ``<workdir>/ckpt``."""
 
   def __init__(self, workdir: str, every: int, keep: int):
-    self.directory = os.path.join(os.path.abspath(workdir), "ckpt")
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(
-            save_interval_steps=every, max_to_keep=keep, create=True))
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, "ckpt")
+    self._keep = keep
+    self._manager = _manager(self.directory, ocp.StandardCheckpointHandler(),
+                             save_interval_steps=every,
+                             max_to_keep=keep, create=True,
+                             cleanup_tmp_directories=True)
 
-  def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
 
-  def save(self, step: int, state: Any, force: bool = False) -> bool:
-    return self._manager.save(step, args=ocp.args.StandardSave(state),
-                              force=force)
+  def save(self, step: int, state: Any, force: bool = False,
+           loop: dict | None = None) -> bool:
+    """Start saving ``state`` and the JSON-able ``loop`` dict at ``step``
+    (asynchronously) if ``step`` is due or ``force``; True if it started."""
+    return self._manager.save(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardSave(state),
+        LOOP: ocp.args.JsonSave(loop or {})}), force=force)
 
-  def restore(self, state_like: Any, step: int | None = None) -> Any:
-    """Restore ``step`` (default: latest) with the structure and shardings of
-    ``state_like`` (arrays or ``jax.ShapeDtypeStruct``s)."""
-    step = self.latest_step() if step is None else step
+  def restore_latest(self, state_like: Any) -> tuple[int, Any, dict] | None:
+    """``(step, state, loop)`` of the newest readable checkpoint, with the
+    structure and shardings of ``state_like`` (arrays or
+    ``jax.ShapeDtypeStruct``s); None when there is no checkpoint at all."""
+    if not self._manager.all_steps():
+      return None
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
-    return self._manager.restore(step, args=ocp.args.StandardRestore(target))
+
+    def read(step):
+      check_shapes(_state_metadata(self._manager, step), state_like,
+                   f"{self.workdir}: array", step, exact=True)
+      items = {STATE: ocp.args.StandardRestore(target)}
+      if os.path.isdir(os.path.join(self.directory, str(step), LOOP)):
+        items[LOOP] = ocp.args.JsonRestore()
+      restored = self._manager.restore(step,
+                                       args=ocp.args.Composite(**items))
+      return restored[STATE], dict(restored[LOOP] or {}) if LOOP in items else {}
+
+    step, (state, loop) = _newest_readable(self._manager, read,
+                                           self._set_aside)
+    # A run killed between a save and the deletion it allows left too many.
+    for old in self.all_steps()[:-self._keep]:
+      self._manager.delete(old)
+    return step, state, loop
+
+  def _set_aside(self, step: int) -> str:
+    """Move the unreadable ``step`` to ``<workdir>/ckpt_corrupt/``."""
+    target = os.path.join(self.workdir, CORRUPT_DIR,
+                          f"{step}-{time.time_ns()}")
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.replace(os.path.join(self.directory, str(step)), target)
+    self._manager.reload()
+    return f"moved to {target}"
 
   def close(self) -> None:
+    """Wait for saves in flight to complete."""
     self._manager.wait_until_finished()
     self._manager.close()
 
 
 def load_params(run_dir: str, params_like: Any) -> Any:
-  """Parameters of the latest checkpoint of the run in ``run_dir``.
+  """Parameters of the newest readable checkpoint of the run in ``run_dir``
+  (read-only: an unreadable step is reported and skipped, not moved).
 
   ``params_like`` (arrays or ``jax.ShapeDtypeStruct``s with shardings) gives
   the expected structure; a checkpoint of another shape is a
@@ -51,36 +125,91 @@ def load_params(run_dir: str, params_like: Any) -> Any:
   root = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), "ckpt")
   if not os.path.isdir(root):
     raise CheckpointError(f"{run_dir}: no checkpoints (no ckpt/ directory)")
-  manager = ocp.CheckpointManager(
-      root, item_handlers=ocp.PyTreeCheckpointHandler())
-  step = manager.latest_step()
-  if step is None:
+  # The PyTree handler, unlike the standard one, restores a subtree.
+  manager = _manager(root, ocp.PyTreeCheckpointHandler(), read_only=True)
+  if not manager.all_steps():
     raise CheckpointError(f"{run_dir}: no complete checkpoint in {root}")
-  stored = manager.item_metadata(step)
-  stored = getattr(stored, "tree", stored)["params"]
-  flat_stored = dict(_flatten(stored))
-  for path, like in _flatten(params_like):
-    have = flat_stored.get(path)
-    if have is None or tuple(have.shape) != tuple(like.shape):
-      found = "missing" if have is None else f"shape {tuple(have.shape)}"
-      raise CheckpointError(
-          f"{run_dir}: parameter {path} is {found} in the checkpoint of step"
-          f" {step}, expected shape {tuple(like.shape)}")
   target = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct,
                                    params_like)}
-  restored = manager.restore(step, args=ocp.args.PyTreeRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(
-          target), partial_restore=True))
-  manager.close()
-  return restored["params"]
+
+  def read(step):
+    check_shapes(_state_metadata(manager, step)["params"], params_like,
+                 f"{run_dir}: parameter", step, exact=False)
+    restored = manager.restore(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.PyTreeRestore(
+            item=target, partial_restore=True,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(
+                target))}))
+    return restored[STATE]["params"]
+
+  try:
+    return _newest_readable(manager, read, lambda step: "skipped")[1]
+  finally:
+    manager.close()
 
 
-def _flatten(tree) -> list[tuple[str, Any]]:
-  """``[("layers/q", leaf), ...]`` for a nested dict of arrays/metadata."""
-  out = []
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out += [(f"{key}/{k}", v) for k, v in _flatten(value)]
-    else:
-      out.append((key, value))
-  return out
+def _state_metadata(manager: ocp.CheckpointManager, step: int):
+  """The train-state tree of ``step``'s metadata (array shapes, dtypes)."""
+  metadata = manager.item_metadata(step)[STATE]
+  if metadata is None:
+    raise KeyError(f"no {STATE!r} item")
+  return getattr(metadata, "tree", metadata)
+
+
+def _newest_readable(manager: ocp.CheckpointManager,
+                     read: Callable[[int], Any],
+                     set_aside: Callable[[int], str]) -> tuple[int, Any]:
+  """``(step, read(step))`` for the newest step that ``read`` can read.
+
+  A step whose reading raises one of ``_UNREADABLE`` is reported on stderr
+  in one line, handed to ``set_aside`` (which says what it did) and the next
+  older step is tried; a ``CheckpointError`` (incompatible, not damaged)
+  propagates at once.
+  """
+  steps = sorted(manager.all_steps(), reverse=True)
+  for step in steps:
+    try:
+      with _quiet_absl():
+        return step, read(step)
+    except _UNREADABLE as e:
+      reason = (str(e).strip().splitlines() or [""])[0][:200]
+      action = set_aside(step)
+      print(f"warning: checkpoint of step {step} in {manager.directory} is"
+            f" unreadable ({type(e).__name__}: {reason}); {action}, trying"
+            " the previous one", file=sys.stderr)
+  raise CheckpointError(f"{manager.directory}: none of the {len(steps)}"
+                        " checkpoints is readable")
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+  """Mute Orbax's own log lines about a damaged checkpoint while reading
+  one: the caller reports it in one line."""
+  level = logging.get_verbosity()
+  logging.set_verbosity(logging.FATAL)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(level)
+
+
+def check_shapes(stored: Any, like: Any, where: str, step: int,
+                 exact: bool) -> None:
+  """Raise a ``CheckpointError`` for the first array of ``like`` that the
+  checkpoint metadata ``stored`` lacks or holds in another shape (and, when
+  ``exact``, for the first stored array that ``like`` lacks)."""
+  have = {name: tuple(leaf.shape) for name, leaf in named_leaves(stored)}
+  want = {name: tuple(np.shape(leaf) if not hasattr(leaf, "shape")
+                      else leaf.shape)
+          for name, leaf in named_leaves(like)}
+  for name, shape in want.items():
+    if have.get(name) != shape:
+      found = ("missing" if name not in have
+               else f"shape {have[name]}")
+      raise CheckpointError(
+          f"{where} {name} is {found} in the checkpoint of step {step},"
+          f" expected shape {shape}")
+  extra = sorted(set(have) - set(want)) if exact else []
+  if extra:
+    raise CheckpointError(f"{where} {extra[0]} is in the checkpoint of step"
+                          f" {step} but not in this run's state")

@@ -74,7 +74,10 @@ def defaults(method: str) -> ml_collections.ConfigDict:
     c.data.domains = ALL_DOMAINS if method == "pretrain" else TRAIN_DOMAINS
     c.data.weights = ()  # empty: uniform over domains
   c.train = ml_collections.ConfigDict(dict(
-      steps=300 if rl else 1500, log_every=5 if rl else 25, eval_every=0))
+      steps=300 if rl else 1500, log_every=5 if rl else 25, eval_every=0,
+      # Steps in a row whose update was skipped (non-finite loss or
+      # gradient) before the run stops with exit code 2.
+      max_consecutive_skips=5))
   if not rl:
     c.train.batch_size = 32  # packed rows of max_prompt_len+max_new_tokens
   c.optim = ml_collections.ConfigDict(dict(
@@ -192,6 +195,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("train.batch_size", _positive, "> 0"),
     ("train.log_every", _positive, "> 0"),
     ("train.eval_every", _non_negative, ">= 0 (0: only at the end)"),
+    ("train.max_consecutive_skips", _positive, "> 0"),
     ("optim.learning_rate", _positive, "> 0"),
     ("optim.warmup_steps", _non_negative, ">= 0"),
     ("optim.end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),

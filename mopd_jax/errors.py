@@ -20,3 +20,8 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
   """A missing, corrupt or incompatible checkpoint."""
+
+
+class DivergenceError(UserError):
+  """Training stopped: too many steps in a row with a non-finite loss or
+  gradient (the last good checkpoint is kept)."""

@@ -1,4 +1,9 @@
-"""Metric writers: one JSON line per logging step plus TensorBoard scalars."""
+"""Metric writers: one JSON line per logging step plus TensorBoard scalars.
+
+A run resumed from the checkpoint of step ``s`` first drops the records past
+``s`` (``truncate_after``) and tells TensorBoard to discard its events past
+``s``, so that the replayed steps are never logged twice.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,21 @@ from typing import Mapping
 
 from tensorboardX import SummaryWriter
 
+from mopd_jax.atomic import write_text_atomic
+
+METRICS_FILE = "metrics.jsonl"
+
 
 class MetricWriter:
   """Appends ``{"step": s, **scalars}`` to ``<workdir>/metrics.jsonl`` and
-  writes the same scalars to TensorBoard under ``<workdir>/tb``."""
+  writes the same scalars to TensorBoard under ``<workdir>/tb``; events of
+  steps ``>= purge_step`` that an earlier, killed run wrote are discarded."""
 
-  def __init__(self, workdir: str):
-    self.path = os.path.join(workdir, "metrics.jsonl")
+  def __init__(self, workdir: str, purge_step: int | None = None):
+    self.path = os.path.join(workdir, METRICS_FILE)
     self._jsonl = open(self.path, "a", encoding="utf-8")
-    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    self._tb = SummaryWriter(os.path.join(workdir, "tb"),
+                             purge_step=purge_step)
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     clean = {k: float(v) for k, v in scalars.items()}
@@ -35,5 +46,29 @@ class MetricWriter:
 
 def read_metrics(workdir: str) -> list[dict]:
   """All records of ``<workdir>/metrics.jsonl`` (for notebooks and reports)."""
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+  with open(os.path.join(workdir, METRICS_FILE), encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_after(workdir: str, step: int) -> None:
+  """Keep only the records of ``<workdir>/metrics.jsonl`` up to ``step``
+  (rewritten atomically); a line cut short by a kill is dropped too."""
+  path = os.path.join(workdir, METRICS_FILE)
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8", errors="replace") as f:
+    lines = f.read().splitlines()
+  kept = [line for line in lines
+          if (at := _record_step(line)) is not None and at <= step]
+  if kept != lines:
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def _record_step(line: str) -> int | None:
+  """The step of a complete record, None for a broken line."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError:
+    return None
+  step = record.get("step") if isinstance(record, dict) else None
+  return step if isinstance(step, int) else None

@@ -1,21 +1,33 @@
-"""What every training stage shares: the optimiser, the train-state pytree and
-the step loop (progress bar, metrics, checkpoints, resume, periodic eval)."""
+"""What every training stage shares: the optimiser, the guarded update, the
+train-state pytree and the step loop (progress bar, metrics, checkpoints,
+exact resume, periodic eval, run summary)."""
 
 from __future__ import annotations
 
-import json
+import contextlib
+import dataclasses
 import os
 import time
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import tqdm
 
+from mopd_jax.atomic import write_json_atomic
 from mopd_jax.checkpointing import Checkpointer
-from mopd_jax.metrics import MetricWriter
+from mopd_jax.checksum import tree_checksum
+from mopd_jax.errors import DivergenceError
+from mopd_jax.metrics import MetricWriter, read_metrics, truncate_after
 from mopd_jax.reductions import means
+
+# The metric a step reports its guarded updates under: (skipped, updates).
+SKIPPED = "skipped_updates"
+SUMMARY_FILE = "summary.json"
+# Logged metrics that measure the machine, not the run; left out of summaries.
+_TIMINGS = ("steps_per_sec",)
 
 # state -> step -> (new state, {name: (sum, count)})
 StepFn = Callable[[Any, int], tuple[Any, Mapping[str, tuple]]]
@@ -46,12 +58,24 @@ def init_state(params, optimizer: optax.GradientTransformation) -> dict:
               step=jnp.zeros((), jnp.int32))
 
 
-def write_json_atomic(path: str, payload: Any) -> None:
-  """Write JSON to a temporary name, then rename, so readers never see half."""
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(payload, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
+def guarded_update(optimizer: optax.GradientTransformation, loss, grads,
+                   params, opt_state):
+  """One optimiser step, taken only when the loss and the gradients are finite.
+
+  ``ok = isfinite(loss) & isfinite(||grads||_2)``. Returns
+  ``(params', opt_state', skipped)``: the usual update when ``ok``, the
+  inputs unchanged otherwise (a NaN never reaches the weights or the
+  optimiser's moments), and ``skipped = 1 - ok`` as float32, which the step
+  reports as the pair ``(skipped, 1)`` under ``SKIPPED``. Jittable: the
+  choice is a select per leaf, on the device.
+  """
+  ok = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
+  updates, new_opt_state = optimizer.update(grads, opt_state, params)
+  new_params = jax.tree.map(jnp.add, params, updates)
+  keep = lambda new, old: jax.tree.map(  # noqa: E731
+      lambda n, o: jnp.where(ok, n, o), new, old)
+  return (keep(new_params, params), keep(new_opt_state, opt_state),
+          1.0 - ok.astype(jnp.float32))
 
 
 def accumulate(total: dict, pairs: Mapping[str, tuple]) -> dict:
@@ -62,48 +86,151 @@ def accumulate(total: dict, pairs: Mapping[str, tuple]) -> dict:
   return total
 
 
+
+
+def _to_json(value):
+  """A metric sum or count as JSON that reads back with its exact value and
+  type (a NumPy/JAX scalar keeps its dtype), so that sums continue bit-exactly
+  after a resume."""
+  if isinstance(value, (bool, int, float)):
+    return value
+  array = np.asarray(value)
+  return {"dtype": array.dtype.name, "value": array.item()}
+
+
+def _from_json(value):
+  if isinstance(value, dict):
+    return np.dtype(value["dtype"]).type(value["value"])
+  return value
+
+
+@dataclasses.dataclass
+class LoopState:
+  """What the step loop carries between steps besides the train state; saved
+  as JSON with every checkpoint, so that a resumed run logs (and stops)
+  exactly as an uninterrupted one.
+
+  Attributes:
+    pending: ``{name: (sum, count)}`` accumulated since the last log line.
+    consecutive_skips: steps in a row, up to now, with a skipped update.
+    skipped_steps: steps with a skipped update since the run began.
+  """
+  pending: dict = dataclasses.field(default_factory=dict)
+  consecutive_skips: int = 0
+  skipped_steps: int = 0
+
+  def record(self, pairs: Mapping[str, tuple]) -> None:
+    """Fold one step's metrics in; a step counts as skipped when any of its
+    updates was (``SKIPPED``)."""
+    skipped = SKIPPED in pairs and float(pairs[SKIPPED][0]) > 0
+    self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+    self.skipped_steps += int(skipped)
+    accumulate(self.pending, pairs)
+
+  def flush(self) -> dict[str, float]:
+    """The means of the pending window (then emptied) and ``skipped_steps``."""
+    scalars = means(self.pending)
+    scalars["skipped_steps"] = float(self.skipped_steps)
+    self.pending = {}
+    return scalars
+
+  def to_json(self) -> dict:
+    return dict(pending={k: [_to_json(s), _to_json(c)]
+                         for k, (s, c) in self.pending.items()},
+                consecutive_skips=self.consecutive_skips,
+                skipped_steps=self.skipped_steps)
+
+  @classmethod
+  def from_json(cls, saved: Mapping) -> "LoopState":
+    return cls(pending={k: (_from_json(s), _from_json(c))
+                        for k, (s, c) in saved.get("pending", {}).items()},
+               consecutive_skips=int(saved.get("consecutive_skips", 0)),
+               skipped_steps=int(saved.get("skipped_steps", 0)))
+
+
 def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
              checkpoint, train, eval_fn: EvalFn | None = None,
              desc: str = "train") -> Any:
-  """Run ``step_fn`` from the latest checkpoint (or step 0) to ``total_steps``.
+  """Run ``step_fn`` from the newest readable checkpoint (or step 0) to
+  ``total_steps``; returns the final state.
 
-  Logs the means of the accumulated ``(sum, count)`` metrics every
-  ``train.log_every`` steps, checkpoints every ``checkpoint.every`` steps and
-  at the end, and calls ``eval_fn`` every ``train.eval_every`` steps (if > 0)
-  and once at the end (again on a re-run of a finished run, without logging).
+  After step ``s`` (1-based): a line of the means of the accumulated
+  ``(sum, count)`` metrics every ``train.log_every`` steps and at the end;
+  ``eval_fn`` every ``train.eval_every`` steps (if > 0) and at the end; then
+  a checkpoint every ``checkpoint.every`` steps and at the end. A checkpoint
+  therefore follows everything its step logs, and resuming from it drops the
+  log records past it: as long as ``step_fn``'s randomness is a function of
+  the state and ``(seed, step)``, a run killed at any moment and re-run with
+  the same command ends with the same parameters and metrics.jsonl as one
+  never stopped (bit for bit on CPU).
+
+  A step whose metrics report a skipped update (``SKIPPED``, from
+  ``guarded_update``) counts into ``skipped_steps``; after
+  ``train.max_consecutive_skips`` such steps in a row the run stops with a
+  ``DivergenceError``, writing no further checkpoint.
+
+  Ends by writing ``<workdir>/summary.json`` (``write_summary``), also on a
+  re-run of a finished run.
   """
-  ckpt = Checkpointer(workdir, checkpoint.every, checkpoint.keep)
-  start = ckpt.latest_step() or 0
-  if start:
-    state = ckpt.restore(state)
-    print(f"resuming from step {start} of {total_steps} ({ckpt.directory})")
-  writer = MetricWriter(workdir)
-  pending: dict = {}
-  tick, tick_step = time.perf_counter(), start
-  bar = tqdm.tqdm(range(start, total_steps), initial=start, total=total_steps,
-                  desc=desc, dynamic_ncols=True, mininterval=1.0)
-  try:
+  loop, start = LoopState(), 0
+  with contextlib.ExitStack() as cleanup:  # closed last-opened first
+    ckpt = Checkpointer(workdir, checkpoint.every, checkpoint.keep)
+    cleanup.callback(ckpt.close)  # waits for saves in flight
+    restored = ckpt.restore_latest(state)
+    if restored:
+      start, state, saved = restored
+      loop = LoopState.from_json(saved)
+      print(f"resuming from step {start} of {total_steps}"
+            f" ({ckpt.directory})")
+    truncate_after(workdir, start)
+    writer = MetricWriter(workdir, purge_step=start + 1)
+    cleanup.callback(writer.close)
+    bar = tqdm.tqdm(range(start, total_steps), initial=start,
+                    total=total_steps, desc=desc, dynamic_ncols=True,
+                    mininterval=1.0)
+    cleanup.callback(bar.close)
+    last_saved = start or None
+    tick, tick_step = time.perf_counter(), start
     for step in bar:
       state, pairs = step_fn(state, step)
-      pending = accumulate(pending, pairs)
+      loop.record(pairs)
       done = step + 1
-      if done % train.log_every == 0 or done == total_steps:
-        scalars = means(pending)
+      diverged = loop.consecutive_skips >= train.max_consecutive_skips
+      if done % train.log_every == 0 or done == total_steps or diverged:
+        scalars = loop.flush()
         now = time.perf_counter()
         scalars["steps_per_sec"] = (done - tick_step) / max(now - tick, 1e-9)
-        tick, tick_step, pending = now, done, {}
+        tick, tick_step = now, done
         writer.write(done, scalars)
         bar.set_postfix(loss=f"{scalars.get('loss', float('nan')):.4f}")
-      ckpt.save(done, state, force=done == total_steps)
-      if eval_fn and train.eval_every and done % train.eval_every == 0 and (
-          done != total_steps):
+      if diverged:
+        kept = (f"the checkpoint of step {last_saved} is intact" if last_saved
+                else "no checkpoint was written")
+        raise DivergenceError(
+            f"step {done}: {loop.consecutive_skips} steps in a row skipped"
+            " their update (non-finite loss or gradient); stopped, and"
+            f" {kept} (lower optim.learning_rate or check the data)")
+      if eval_fn and (done == total_steps or (
+          train.eval_every and done % train.eval_every == 0)):
         writer.write(done, eval_fn(state, done))
-    if eval_fn:
-      scalars = eval_fn(state, total_steps)
-      if start < total_steps:  # a finished run re-run logs nothing twice
-        writer.write(total_steps, scalars)
-  finally:
-    bar.close()
-    writer.close()
-    ckpt.close()
+      if ckpt.save(done, state, force=done == total_steps,
+                   loop=loop.to_json()):
+        last_saved = done
+  write_summary(workdir, total_steps, state["params"])
   return state
+
+
+def write_summary(workdir: str, step: int, params: Any) -> dict:
+  """Write and return ``<workdir>/summary.json``: the final ``step``, the
+  ``params_sha256`` of the final parameters (``checksum.tree_checksum``) and
+  ``metrics``, the last logged value of every metric except timings. Two
+  runs with equal summaries ended with bit-identical parameters."""
+  final: dict = {}
+  for record in read_metrics(workdir):
+    final.update(record)
+  for key in ("step", *_TIMINGS):
+    final.pop(key, None)
+  summary = dict(step=step, params_sha256=tree_checksum(params),
+                 metrics=final)
+  write_json_atomic(os.path.join(workdir, SUMMARY_FILE), summary)
+  return summary

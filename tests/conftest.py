@@ -26,11 +26,23 @@ def pretrain_smoke_command(workdir, data_dir):
 
 
 @pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory, data_dir):
+def cached_env(tmp_path_factory):
+  """The environment with a persistent JAX compilation cache shared by the
+  subprocesses of this session: a restarted run loads the executables its
+  predecessor compiled (the same programs; it only saves compile time)."""
+  cache = tmp_path_factory.mktemp("jax_cache")
+  return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, data_dir, cached_env):
   """One real ``python -m mopd_jax.train`` smoke pretraining run, shared."""
   import subprocess
   workdir = tmp_path_factory.mktemp("smoke") / "run"
   cmd = pretrain_smoke_command(workdir, data_dir)
-  result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=cached_env)
   assert result.returncode == 0, result.stderr[-3000:]
   return workdir, cmd, result

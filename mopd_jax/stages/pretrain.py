@@ -53,13 +53,14 @@ def run(config, workdir: str):
       total, count = sft_loss(params, model_cfg, batch, ops)
       return total / count, (total, count)
 
-    grads, (total, count) = jax.grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = optimizer.update(grads, state["opt_state"],
-                                          state["params"])
-    params = jax.tree.map(jnp.add, state["params"], updates)
+    (loss, (total, count)), grads = jax.value_and_grad(
+        loss_fn, has_aux=True)(state["params"])
+    params, opt_state, skipped = training.guarded_update(
+        optimizer, loss, grads, state["params"], state["opt_state"])
     new_state = dict(params=params, opt_state=opt_state,
                      step=state["step"] + 1)
-    return new_state, {"loss": (total, count)}
+    return new_state, {"loss": (total, count),
+                       training.SKIPPED: (skipped, jnp.float32(1))}
 
   batch_sharding = parallel.batch_sharding(mesh)
   sources = [train_sets[d] for d in config.data.domains]

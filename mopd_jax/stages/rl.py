@@ -59,15 +59,16 @@ def make_loss(model_cfg, sampling, rl, ops: dict):
 def make_update(loss_fn, optimizer):
   """One jitted optimiser step on a minibatch: ``(train, mb, *shared) ->
   (train, metrics)`` with ``train = {params, opt_state}`` (donated) and
-  ``shared`` arrays every minibatch's loss reads whole."""
+  ``shared`` arrays every minibatch's loss reads whole; skipped when the loss
+  or a gradient is not finite (``training.guarded_update``)."""
 
   @functools.partial(jax.jit, donate_argnums=0)
   def update(train, mb, *shared):
-    grads, metrics = jax.grad(loss_fn, has_aux=True)(train["params"], mb,
-                                                     *shared)
-    updates, opt_state = optimizer.update(grads, train["opt_state"],
-                                          train["params"])
-    params = jax.tree.map(jnp.add, train["params"], updates)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        train["params"], mb, *shared)
+    params, opt_state, skipped = training.guarded_update(
+        optimizer, loss, grads, train["params"], train["opt_state"])
+    metrics[training.SKIPPED] = (skipped, jnp.float32(1))
     return dict(params=params, opt_state=opt_state), metrics
 
   return update

@@ -1,0 +1,116 @@
+"""SIGKILL a smoke run at several moments, re-run the same command each time:
+the run ends with the same parameters (checksum), metrics and evaluation as
+one never stopped, and its log has no duplicated or missing lines."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import ROOT, pretrain_smoke_command
+
+
+def _records(run) -> list[dict]:
+  """metrics.jsonl without timings; lines still being written are skipped."""
+  path = os.path.join(run, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  out = []
+  for line in open(path, encoding="utf-8"):
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    record.pop("steps_per_sec", None)
+    out.append(record)
+  return out
+
+
+def _logged(run, step):
+  return lambda: any(r["step"] >= step for r in _records(run))
+
+
+def _saving(run):
+  """True while Orbax writes a checkpoint (its temporary directory)."""
+  def ready():
+    names = os.listdir(os.path.join(run, "ckpt")) if os.path.isdir(
+        os.path.join(run, "ckpt")) else []
+    return any("tmp" in n for n in names)
+  return ready
+
+
+def _checkpointed(run, step):
+  return lambda: os.path.isdir(os.path.join(run, "ckpt", str(step)))
+
+
+def _either(*conditions):
+  return lambda: any(c() for c in conditions)
+
+
+def _kill_when(cmd, ready, env, timeout=240):
+  """Run ``cmd``; SIGKILL it as soon as ``ready()`` holds. Returns its exit
+  code (-9 when killed)."""
+  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+  deadline = time.monotonic() + timeout
+  while proc.poll() is None and time.monotonic() < deadline:
+    if ready():
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.005)
+  _, err = proc.communicate(timeout=timeout)
+  assert proc.returncode in (0, -signal.SIGKILL), err[-3000:]
+  return proc.returncode
+
+
+def _assert_same_run(run, reference):
+  assert _records(run) == _records(reference)
+  for name in ("summary.json", "eval.json"):
+    assert json.load(open(os.path.join(run, name))) == json.load(
+        open(os.path.join(reference, name))), name
+  assert sorted(os.listdir(os.path.join(run, "ckpt"))) == ["2", "4"]
+
+
+def test_pretrain_killed_three_times_ends_identical(smoke_run, data_dir,
+                                                    tmp_path, cached_env):
+  reference = smoke_run[0]
+  run = tmp_path / "run"
+  cmd = pretrain_smoke_command(run, data_dir)
+  kills = [
+      # while the first checkpoint is written (or soon after)
+      _either(_saving(run), _logged(run, 4)),
+      # after step 4 is logged, before its checkpoint: back to step 2
+      _logged(run, 4),
+      # the last checkpoint complete, the summary not yet written
+      _checkpointed(run, 4),
+  ]
+  codes = [_kill_when(cmd, ready, cached_env) for ready in kills]
+  assert codes.count(-signal.SIGKILL) >= 2, codes
+  assert _kill_when(cmd, lambda: False, cached_env) == 0
+  _assert_same_run(run, reference)
+
+
+def test_grpo_killed_twice_ends_identical(smoke_run, data_dir, tmp_path,
+                                          cached_env):
+  base = smoke_run[0]
+  cmd = lambda run: [  # noqa: E731
+      sys.executable, "-m", "mopd_jax.train",
+      f"--config={ROOT}/configs/grpo.py:smoke", f"--workdir={run}",
+      f"--config.init={base}", f"--config.data.data_dir={data_dir}",
+      # one evaluation, at the end, on one domain: fewer programs to compile
+      "--config.train.eval_every=0", "--config.eval.greedy=False",
+      "--config.eval.domains=('add',)"]
+  reference, run = tmp_path / "reference", tmp_path / "run"
+  assert _kill_when(cmd(reference), lambda: False, cached_env) == 0
+  kills = [
+      # while the first checkpoint is written (or soon after)
+      _either(_saving(run), _logged(run, 2)),
+      # the checkpoint of step 2 complete: resume from it
+      _checkpointed(run, 2),
+  ]
+  codes = [_kill_when(cmd(run), ready, cached_env) for ready in kills]
+  assert codes == [-signal.SIGKILL] * 2, codes
+  assert _kill_when(cmd(run), lambda: False, cached_env) == 0
+  _assert_same_run(run, reference)
