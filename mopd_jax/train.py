@@ -16,7 +16,8 @@ from ml_collections import config_flags
 
 from mopd_jax import config as config_lib
 from mopd_jax.errors import UserError
-from mopd_jax.stages.common import resolve_model, save_run_config
+from mopd_jax.stages.common import (check_resumable, resolve_model,
+                                    save_run_config)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/pretrain.py or"
@@ -57,6 +58,7 @@ def main(argv) -> None:
     config = config_lib.validate(_load_config())
     workdir = prepare_workdir(_WORKDIR.value)
     resolve_model(config)
+    check_resumable(config, workdir)
     save_run_config(config, workdir)
     importlib.import_module(STAGES[config.method]).run(config, workdir)
   except UserError as e:

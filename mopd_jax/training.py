@@ -207,8 +207,8 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
         kept = (f"the checkpoint of step {last_saved} is intact" if last_saved
                 else "no checkpoint was written")
         raise DivergenceError(
-            f"step {done}: {loop.consecutive_skips} steps in a row skipped"
-            " their update (non-finite loss or gradient); stopped, and"
+            f"step {done}: the update was skipped {loop.consecutive_skips}"
+            " steps in a row (non-finite loss or gradient); stopped, and"
             f" {kept} (lower optim.learning_rate or check the data)")
       if eval_fn and (done == total_steps or (
           train.eval_every and done % train.eval_every == 0)):

@@ -1,14 +1,19 @@
 """The real entry point on the smoke config: trains, checkpoints, evaluates,
-writes metrics, and a re-run of the same command resumes instead of restarting.
-The notebook in colabs/ runs on what it wrote."""
+writes metrics and a summary, and a re-run of the same command resumes
+instead of restarting. The notebook in colabs/ runs on what it wrote. A
+resume of another model, an init run with other token ids and a diverging
+run stop with one line and exit code 2, damaging nothing."""
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 
 import matplotlib
+import pytest
 
-from conftest import ROOT
+from conftest import ROOT, pretrain_smoke_command
 
 
 def test_pretrain_smoke_writes_everything(smoke_run):
@@ -50,3 +55,72 @@ def test_colab_notebook_runs_on_the_workdir(smoke_run, monkeypatch):
       exec(compile(source, "inspect_run.ipynb", "exec"), scope)  # noqa: S102
   assert len(scope["train"]) == 2 and len(scope["evals"]) == 2
   assert ("greedy", "add") in scope["series"]
+
+
+def _one_line_error(result) -> str:
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1, result.stderr
+  return lines[0]
+
+
+def _snapshot(directory) -> dict:
+  return {os.path.relpath(os.path.join(d, f), directory):
+          open(os.path.join(d, f), "rb").read()
+          for d, _, names in os.walk(directory) for f in names}
+
+
+def test_resuming_with_another_model_is_refused(smoke_run, tmp_path,
+                                                cached_env):
+  run = tmp_path / "run"
+  shutil.copytree(smoke_run[0], run)
+  before = _snapshot(run)
+  cmd = [a if not a.startswith("--workdir=") else f"--workdir={run}"
+         for a in smoke_run[1]]
+  result = subprocess.run(cmd + ["--config.model.embed_dim=64"],
+                          capture_output=True, text=True, timeout=300,
+                          env=cached_env)
+  line = _one_line_error(result)
+  assert line.startswith("error: model.embed_dim:") and "32" in line, line
+  assert _snapshot(run) == before  # config.json and checkpoints untouched
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"model": {"vocab_size": 100}}, "has a vocabulary of 100 tokens"),
+    ({"tokenizer": "char:0123456789abcdef"}, "another tokenizer")])
+def test_init_run_with_other_token_ids_is_refused(smoke_run, tmp_path,
+                                                  cached_env, change, needle):
+  init = tmp_path / "init"
+  shutil.copytree(smoke_run[0], init)
+  saved = json.load(open(init / "config.json"))
+  for key, value in change.items():
+    saved[key] = dict(saved[key], **value) if isinstance(value, dict) else (
+        value)
+  (init / "config.json").write_text(json.dumps(saved))
+  result = subprocess.run(
+      [sys.executable, "-m", "mopd_jax.train",
+       f"--config={ROOT}/configs/grpo.py:smoke", f"--workdir={tmp_path / 'w'}",
+       f"--config.init={init}"], capture_output=True, text=True, timeout=300,
+      env=cached_env, cwd=ROOT)
+  line = _one_line_error(result)
+  assert line.startswith("error: init:") and needle in line, line
+
+
+def test_diverging_run_stops_with_exit_2(tmp_path, data_dir, cached_env):
+  """A learning rate of 1e30 overflows the model after one real update: the
+  next updates are skipped, and two in a row stop the run."""
+  run = tmp_path / "run"
+  result = subprocess.run(
+      pretrain_smoke_command(run, data_dir) + [
+          "--config.optim.learning_rate=1e30",
+          "--config.train.max_consecutive_skips=2",
+          "--config.train.log_every=1", "--config.train.eval_every=0"],
+      capture_output=True, text=True, timeout=300, env=cached_env, cwd=ROOT)
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  line = result.stderr.strip().splitlines()[-1]  # after the progress bar
+  assert line.startswith("error: step 4: the update was skipped 2 steps in a"
+                         " row") and "checkpoint of step 2 is intact" in line
+  records = [json.loads(l) for l in open(run / "metrics.jsonl")]
+  assert [r["skipped_updates"] for r in records] == [0.0, 0.0, 1.0, 1.0]
+  assert sorted(os.listdir(run / "ckpt")) == ["1", "2"]
+  assert not os.path.exists(run / "summary.json")

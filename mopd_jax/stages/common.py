@@ -37,20 +37,78 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
                       CONFIG_FILE)
   try:
     with open(path, encoding="utf-8") as f:
-      return ml_collections.ConfigDict(json.load(f))
+      saved = json.load(f)
   except FileNotFoundError:
     raise CheckpointError(f"{run_dir}: not a mopd_jax run directory (no"
                           f" {CONFIG_FILE})") from None
-  except (OSError, json.JSONDecodeError) as e:
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
     raise CheckpointError(f"{path}: unreadable ({e})") from None
+  if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+    raise CheckpointError(f"{path}: not a run config (no model section)")
+  return ml_collections.ConfigDict(saved)
+
+
+def check_same_tokens(run_dir: str, run_config, tokenizer, field: str) -> None:
+  """The run in ``run_dir`` (its ``run_config``) must share ``tokenizer``'s
+  token ids: the same vocabulary size and, where the run recorded one, the
+  same tokenizer fingerprint. ``field`` names the config field that points
+  to the run."""
+  vocab = run_config.model.get("vocab_size")
+  if vocab != tokenizer.vocab_size:
+    raise CheckpointError(
+        f"{field}: {run_dir} has a vocabulary of {vocab} tokens, this run's"
+        f" tokenizer {tokenizer.vocab_size}")
+  recorded = run_config.get("tokenizer", "")
+  if recorded and recorded != tokenizer.fingerprint():
+    raise CheckpointError(f"{field}: {run_dir} was trained with another"
+                          f" tokenizer ({recorded} != "
+                          f"{tokenizer.fingerprint()})")
 
 
 def resolve_model(config) -> None:
   """Give a stage that starts from ``config.init`` that run's architecture
   (the ``model`` section comes with the weights), so its own config.json
-  names the model too."""
+  names the model too; the run must share this run's token ids."""
   if "init" in config and config.init:
-    config.model = load_run_config(config.init).model
+    run_config = load_run_config(config.init)
+    check_same_tokens(config.init, run_config, CharTokenizer(), "init")
+    config.model = run_config.model
+
+
+def check_resumable(config, workdir: str) -> None:
+  """A workdir that holds checkpoints resumes only a run of the same method,
+  model and tokenizer; anything else is a ``CheckpointError`` naming the
+  first difference, raised before config.json or a checkpoint is touched."""
+  ckpt = os.path.join(workdir, "ckpt")
+  if not (os.path.isdir(ckpt) and os.listdir(ckpt)) or not os.path.exists(
+      os.path.join(workdir, CONFIG_FILE)):
+    return
+  saved = load_run_config(workdir).to_dict()
+  # Compared as JSON, the form config.json holds (tuples become lists).
+  ours = json.loads(json.dumps(
+      dict(config.to_dict(), tokenizer=CharTokenizer().fingerprint())))
+  for key in ("method", "model", "tokenizer"):
+    found = key in saved and _first_difference(saved[key], ours.get(key),
+                                               key)
+    if found:
+      field, theirs, mine = found
+      raise CheckpointError(
+          f"{field}: {workdir} holds checkpoints of a run with {theirs!r},"
+          f" this run has {mine!r}; resume with the same setting or use a new"
+          " workdir")
+
+
+def _first_difference(theirs, mine, field: str):
+  """``(dotted field, their value, my value)`` where two JSON values first
+  differ (nested dicts key by key), or None."""
+  if isinstance(theirs, dict) and isinstance(mine, dict):
+    for key in sorted(set(theirs) | set(mine)):
+      found = _first_difference(theirs.get(key), mine.get(key),
+                                f"{field}.{key}")
+      if found:
+        return found
+    return None
+  return None if theirs == mine else (field, theirs, mine)
 
 
 def setup(config):
