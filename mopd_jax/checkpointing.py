@@ -65,6 +65,11 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
+  def due(self, step: int) -> bool:
+    """Whether ``save`` would save ``step`` (every N steps; Orbax also saves
+    the first step of a run)."""
+    return self._manager.should_save(step)
+
   def save(self, step: int, state: Any, force: bool = False,
            loop: dict | None = None) -> bool:
     """Start saving ``state`` and the JSON-able ``loop`` dict at ``step``

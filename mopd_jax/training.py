@@ -112,20 +112,34 @@ class LoopState:
 
   Attributes:
     pending: ``{name: (sum, count)}`` accumulated since the last log line.
-    consecutive_skips: steps in a row, up to now, with a skipped update.
+    consecutive_skips: steps in a row, up to the last ``resolve``, with a
+      skipped update.
     skipped_steps: steps with a skipped update since the run began.
+    unresolved: each step's skip flag (on the device, or None) since the
+      last ``resolve``; reading one waits for its step, so the loop reads
+      them only where it stops anyway (log lines, evaluations, checkpoints).
   """
   pending: dict = dataclasses.field(default_factory=dict)
   consecutive_skips: int = 0
   skipped_steps: int = 0
+  unresolved: list = dataclasses.field(default_factory=list)
 
   def record(self, pairs: Mapping[str, tuple]) -> None:
-    """Fold one step's metrics in; a step counts as skipped when any of its
-    updates was (``SKIPPED``)."""
-    skipped = SKIPPED in pairs and float(pairs[SKIPPED][0]) > 0
-    self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
-    self.skipped_steps += int(skipped)
+    """Fold one step's metrics in (without waiting for the step)."""
+    self.unresolved.append(pairs[SKIPPED][0] if SKIPPED in pairs else None)
     accumulate(self.pending, pairs)
+
+  def resolve(self) -> int:
+    """Count the recorded steps' skips (a step counts when any of its
+    updates was skipped); returns the longest run of consecutive skips."""
+    longest = self.consecutive_skips
+    for flag in self.unresolved:
+      skipped = flag is not None and float(flag) > 0
+      self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+      self.skipped_steps += int(skipped)
+      longest = max(longest, self.consecutive_skips)
+    self.unresolved = []
+    return longest
 
   def flush(self) -> dict[str, float]:
     """The means of the pending window (then emptied) and ``skipped_steps``."""
@@ -135,6 +149,7 @@ class LoopState:
     return scalars
 
   def to_json(self) -> dict:
+    """As JSON; call after ``resolve`` (unresolved flags are not saved)."""
     return dict(pending={k: [_to_json(s), _to_json(c)]
                          for k, (s, c) in self.pending.items()},
                 consecutive_skips=self.consecutive_skips,
@@ -165,9 +180,11 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
   never stopped (bit for bit on CPU).
 
   A step whose metrics report a skipped update (``SKIPPED``, from
-  ``guarded_update``) counts into ``skipped_steps``; after
-  ``train.max_consecutive_skips`` such steps in a row the run stops with a
-  ``DivergenceError``, writing no further checkpoint.
+  ``guarded_update``) counts into ``skipped_steps``; once
+  ``train.max_consecutive_skips`` such steps in a row are seen (the flags are
+  read at log lines, evaluations and checkpoints, so that steps are
+  dispatched without waiting) the run stops with a ``DivergenceError``,
+  writing no further checkpoint.
 
   Ends by writing ``<workdir>/summary.json`` (``write_summary``), also on a
   re-run of a finished run.
@@ -195,8 +212,15 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
       state, pairs = step_fn(state, step)
       loop.record(pairs)
       done = step + 1
-      diverged = loop.consecutive_skips >= train.max_consecutive_skips
-      if done % train.log_every == 0 or done == total_steps or diverged:
+      log = done % train.log_every == 0 or done == total_steps
+      evaluate = eval_fn and (done == total_steps or (
+          train.eval_every and done % train.eval_every == 0))
+      save = done == total_steps or ckpt.due(done)
+      if not (log or evaluate or save):
+        continue
+      longest = loop.resolve()
+      diverged = longest >= train.max_consecutive_skips
+      if log or diverged:
         scalars = loop.flush()
         now = time.perf_counter()
         scalars["steps_per_sec"] = (done - tick_step) / max(now - tick, 1e-9)
@@ -207,14 +231,13 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
         kept = (f"the checkpoint of step {last_saved} is intact" if last_saved
                 else "no checkpoint was written")
         raise DivergenceError(
-            f"step {done}: the update was skipped {loop.consecutive_skips}"
-            " steps in a row (non-finite loss or gradient); stopped, and"
+            f"step {done}: the update was skipped {longest} steps in a row"
+            " (non-finite loss or gradient); stopped, and"
             f" {kept} (lower optim.learning_rate or check the data)")
-      if eval_fn and (done == total_steps or (
-          train.eval_every and done % train.eval_every == 0)):
+      if evaluate:
         writer.write(done, eval_fn(state, done))
-      if ckpt.save(done, state, force=done == total_steps,
-                   loop=loop.to_json()):
+      if save:
+        ckpt.save(done, state, force=True, loop=loop.to_json())
         last_saved = done
   write_summary(workdir, total_steps, state["params"])
   return state
