@@ -94,7 +94,8 @@ class Checkpointer:
         items[LOOP] = ocp.args.JsonRestore()
       restored = self._manager.restore(step,
                                        args=ocp.args.Composite(**items))
-      return restored[STATE], dict(restored[LOOP] or {}) if LOOP in items else {}
+      loop = restored[LOOP] if LOOP in items else None
+      return restored[STATE], dict(loop or {})
 
     step, (state, loop) = _newest_readable(self._manager, read,
                                            self._set_aside)
@@ -204,13 +205,12 @@ def check_shapes(stored: Any, like: Any, where: str, step: int,
   checkpoint metadata ``stored`` lacks or holds in another shape (and, when
   ``exact``, for the first stored array that ``like`` lacks)."""
   have = {name: tuple(leaf.shape) for name, leaf in named_leaves(stored)}
-  want = {name: tuple(np.shape(leaf) if not hasattr(leaf, "shape")
-                      else leaf.shape)
+  want = {name: tuple(leaf.shape if hasattr(leaf, "shape")
+                      else np.shape(leaf))
           for name, leaf in named_leaves(like)}
   for name, shape in want.items():
     if have.get(name) != shape:
-      found = ("missing" if name not in have
-               else f"shape {have[name]}")
+      found = "missing" if name not in have else f"shape {have[name]}"
       raise CheckpointError(
           f"{where} {name} is {found} in the checkpoint of step {step},"
           f" expected shape {shape}")

@@ -72,8 +72,10 @@ def guarded_update(optimizer: optax.GradientTransformation, loss, grads,
   ok = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
   updates, new_opt_state = optimizer.update(grads, opt_state, params)
   new_params = jax.tree.map(jnp.add, params, updates)
-  keep = lambda new, old: jax.tree.map(  # noqa: E731
-      lambda n, o: jnp.where(ok, n, o), new, old)
+
+  def keep(new, old):
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
   return (keep(new_params, params), keep(new_opt_state, opt_state),
           1.0 - ok.astype(jnp.float32))
 
@@ -84,8 +86,6 @@ def accumulate(total: dict, pairs: Mapping[str, tuple]) -> dict:
     s0, c0 = total.get(k, (0.0, 0.0))
     total[k] = (s0 + s, c0 + c)
   return total
-
-
 
 
 def _to_json(value):
