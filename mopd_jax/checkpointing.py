@@ -6,8 +6,9 @@ Layout: ``<workdir>/ckpt/<step>/default`` holds the train-state pytree and
 ``training.run_loop``). What holds:
 
 * A half-written checkpoint never appears under its step's name: Orbax writes
-  into a temporary directory and renames it once complete; the leftovers of a
-  killed save are removed when the next run starts.
+  into a temporary directory and renames it once complete; the next run
+  ignores the leftovers of a killed save and removes them (in the
+  background, before its first save).
 * Steps beyond ``keep`` are deleted only after a newer step is complete.
 * Restoring takes the newest step that reads back. An unreadable one
   (truncated, garbled or missing files) is reported in one warning line,

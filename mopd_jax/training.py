@@ -20,7 +20,8 @@ from mopd_jax.atomic import write_json_atomic
 from mopd_jax.checkpointing import Checkpointer
 from mopd_jax.checksum import tree_checksum
 from mopd_jax.errors import DivergenceError
-from mopd_jax.metrics import MetricWriter, read_metrics, truncate_after
+from mopd_jax.metrics import (METRICS_FILE, MetricWriter, read_metrics,
+                              truncate_after)
 from mopd_jax.reductions import means
 
 # The metric a step reports its guarded updates under: (skipped, updates).
@@ -247,9 +248,12 @@ def write_summary(workdir: str, step: int, params: Any) -> dict:
   """Write and return ``<workdir>/summary.json``: the final ``step``, the
   ``params_sha256`` of the final parameters (``checksum.tree_checksum``) and
   ``metrics``, the last logged value of every metric except timings. Two
-  runs with equal summaries ended with bit-identical parameters."""
+  runs with equal summaries ended with bit-identical parameters. Stages
+  without a step loop (no metrics.jsonl) call it too."""
   final: dict = {}
-  for record in read_metrics(workdir):
+  records = read_metrics(workdir) if os.path.exists(
+      os.path.join(workdir, METRICS_FILE)) else []
+  for record in records:
     final.update(record)
   for key in ("step", *_TIMINGS):
     final.pop(key, None)

@@ -161,3 +161,9 @@ def test_consecutive_skips_stop_the_run_and_keep_the_last_checkpoint(
   restored.close()
   assert step == 4
   np.testing.assert_array_equal(state["params"]["x"], -1.5)  # 3 good steps
+
+
+def test_a_summary_without_a_step_loop(tmp_path):
+  summary = training.write_summary(str(tmp_path), 0, {"w": jnp.ones(2)})
+  assert summary["metrics"] == {} and summary == json.load(
+      open(tmp_path / training.SUMMARY_FILE))
