@@ -2,6 +2,7 @@
 is given and writes the headroom-recovery report."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -18,7 +19,10 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
        f"--base={base}", f"--teachers={teachers}", f"--out={out}",
        "--steps=2", "--variants=all", "--config_variant=:smoke", "--",
        f"--config.data.data_dir={data_dir}"],
-      capture_output=True, text=True, timeout=300)
+      capture_output=True, text=True, timeout=300,
+      # A script's own directory comes first on sys.path: point Python at
+      # this checkout's package, not at whichever one is installed.
+      env=dict(os.environ, PYTHONPATH=ROOT))
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.load(open(out / "ablation.json"))
   assert set(results) == {"all"} and set(results["all"]) == {"greedy",
