@@ -1,7 +1,7 @@
 """MOPD: teachers, routing, teacher scoring and the Open-MOPD budget.
 
 * ``parse_teachers`` / ``load_teachers``: one expert run per domain, checked
-  against the student's tokenizer and vocabulary at start-up.
+  against the student's token ids at start-up.
 * ``OracleRouter``: every sample goes to the teacher of its domain (the
   ``Router`` protocol admits others).
 * ``score``: each teacher runs one forward pass over only the samples routed
@@ -68,43 +68,29 @@ class Teacher:
   init: Model | None  # the expert's own starting point (proxy teacher)
 
 
-def check_vocabulary(run_dir: str, run_config, model_cfg: ModelConfig,
-                     tokenizer, student_cfg: ModelConfig) -> None:
-  """A teacher must share the student's token ids: same vocabulary size and,
-  where the run recorded it, the same tokenizer fingerprint."""
-  if model_cfg.vocab_size != student_cfg.vocab_size:
-    raise ConfigError(
-        f"teachers: {run_dir} has a vocabulary of {model_cfg.vocab_size}"
-        f" tokens, the student {student_cfg.vocab_size}")
-  recorded = run_config.get("tokenizer", "")
-  if recorded and recorded != tokenizer.fingerprint():
-    raise ConfigError(f"teachers: {run_dir} was trained with another"
-                      f" tokenizer ({recorded} != {tokenizer.fingerprint()})")
-
-
-def load_model(run_dir: str, tokenizer, student_cfg: ModelConfig, mesh
-               ) -> tuple[Model, Any]:
-  """The final parameters of the run in ``run_dir`` and its run config."""
+def load_model(run_dir: str, tokenizer, mesh) -> tuple[Model, Any]:
+  """The final parameters of the run in ``run_dir`` and its run config; the
+  run must share the student's token ids."""
   run_config = common.load_run_config(run_dir)
+  common.check_same_tokens(run_dir, run_config, tokenizer, "teachers")
   cfg = ModelConfig(**run_config.model.to_dict())
-  check_vocabulary(run_dir, run_config, cfg, tokenizer, student_cfg)
   return Model(cfg, common.load_params(run_dir, cfg, mesh)), run_config
 
 
-def load_teachers(dirs: dict[str, str], tokenizer, student_cfg: ModelConfig,
-                  mesh, with_init: bool) -> list[Teacher]:
+def load_teachers(dirs: dict[str, str], tokenizer, mesh, with_init: bool
+                  ) -> list[Teacher]:
   """One teacher per domain; ``with_init`` also loads each expert's own
   ``init`` run (needed by the proxy teacher)."""
   teachers = []
   for domain, run_dir in dirs.items():
-    model, run_config = load_model(run_dir, tokenizer, student_cfg, mesh)
+    model, run_config = load_model(run_dir, tokenizer, mesh)
     init = None
     if with_init:
       init_dir = run_config.get("init", "")
       if not init_dir or not os.path.isdir(os.path.expanduser(init_dir)):
         raise CheckpointError(f"teachers: {run_dir} names no readable init"
                               f" run ({init_dir!r}) for the proxy teacher")
-      init = load_model(init_dir, tokenizer, student_cfg, mesh)[0]
+      init = load_model(init_dir, tokenizer, mesh)[0]
     teachers.append(Teacher(domain, run_dir, model, init))
   return teachers
 

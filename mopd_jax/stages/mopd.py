@@ -151,7 +151,7 @@ def run(config, workdir: str):
   names = tuple(config.data.domains)
   base = mixture.base_weights(names, config.data.weights)
   teachers = mopd.load_teachers(mopd.parse_teachers(config.teachers, names),
-                                tokenizer, model_cfg, mesh,
+                                tokenizer, mesh,
                                 with_init=opd_cfg.proxy_teacher)
   test_sets = common.eval_sets(config, config.eval.domains)
   sampling = config_lib.sampling_config(config.sampling, tokenizer)

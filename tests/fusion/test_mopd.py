@@ -2,7 +2,6 @@
 and the Open-MOPD weights against hand-computed cases."""
 
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -24,18 +23,6 @@ def test_parse_teachers_template_and_pairs():
     mopd.parse_teachers("add=a,chain=b", DOMAINS)
   with pytest.raises(ConfigError, match="not domain=run_dir"):
     mopd.parse_teachers("add=a,chain,sort=c", DOMAINS)
-
-
-def test_vocabulary_checks():
-  tok = CharTokenizer()
-  student = ModelConfig(vocab_size=tok.vocab_size)
-  ok = ml_collections.ConfigDict({"tokenizer": tok.fingerprint()})
-  mopd.check_vocabulary("t", ok, student, tok, student)
-  with pytest.raises(ConfigError, match="vocabulary of 60 tokens, the stu"):
-    mopd.check_vocabulary("t", ok, ModelConfig(vocab_size=60), tok, student)
-  other = ml_collections.ConfigDict({"tokenizer": "char:0000"})
-  with pytest.raises(ConfigError, match="another tokenizer"):
-    mopd.check_vocabulary("t", other, student, tok, student)
 
 
 def test_oracle_router_sends_each_sample_to_its_domain_teacher():
