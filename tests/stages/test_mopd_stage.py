@@ -110,10 +110,11 @@ def test_routed_scores_and_the_kl_loss_match_full_logits():
     forward = jnp.sum(jnp.exp(lt) * (lt - ls), -1)
     return _masked_mean(0.3 * forward + 0.7 * reverse, mask)
 
-  loss, _ = loss_fn(student[1], data, teacher_w)
-  np.testing.assert_allclose(loss, naive(student[1]), rtol=1e-5)
-  got = jax.grad(lambda p: loss_fn(p, data, teacher_w)[0])(student[1])
-  want = jax.grad(naive)(student[1])
+  value_and_grad = jax.jit(jax.value_and_grad(
+      lambda p, d: loss_fn(p, d, teacher_w)[0]))
+  loss, got = value_and_grad(student[1], data)
+  want_loss, want = jax.jit(jax.value_and_grad(naive))(student[1])
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
@@ -135,16 +136,17 @@ def test_pg_loss_is_reinforce_on_the_signal_and_refresh_rescores():
     return _masked_mean(-a * logp_of(params), mask)
 
   loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, {})
-  got = jax.grad(lambda p: loss_fn(p, data, teacher_w)[0])(student[1])
+  got = jax.jit(jax.grad(lambda p, d: loss_fn(p, d, teacher_w)[0]))(
+      student[1], data)
   for g, w in zip(jax.tree.leaves(got),
-                  jax.tree.leaves(jax.grad(naive)(student[1]))):
+                  jax.tree.leaves(jax.jit(jax.grad(naive))(student[1]))):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
   moved = jax.tree.map(lambda x: x * 1.1, student[1])
   current = np.asarray(logp_of(moved))
   for refresh, student_logp in ((False, data["old_logp"]), (True, current)):
     fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, {})
-    total, count = fn(moved, data, teacher_w)[1]["signal"]
+    total, count = jax.jit(fn)(moved, data, teacher_w)[1]["signal"]
     np.testing.assert_allclose(
         total / count,
         np.sum((data["teacher_logp"] - student_logp) * mask) / mask.sum(),
@@ -191,9 +193,9 @@ def test_distillation_closes_the_gap_to_a_teacher():
   assert np.mean(curve[-3:]) < 0.5 * np.mean(curve[:3]), curve
 
 
-def _train(*args):
+def _train(*args, env=None):
   return subprocess.run([sys.executable, "-m", "mopd_jax.train", *args],
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.mark.parametrize("extra", [
@@ -202,7 +204,8 @@ def _train(*args):
      "--config.open_mopd.gap_steers=both"),
     ("--config.opd.loss=topk", "--config.opd.entropy_threshold=0.5",
      "--config.opd.gate=True", "--config.opd.lambda_orm=0.5")])
-def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra):
+def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
+                                   cached_env):
   base = smoke_run[0]
   run = tmp_path / "mopd"
   result = _train(f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
@@ -213,7 +216,8 @@ def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra):
                                                 "sort"))
   result = _train(f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
                   f"--config.init={base}", f"--config.teachers={teachers}",
-                  f"--config.data.data_dir={data_dir}", *extra)
+                  f"--config.data.data_dir={data_dir}", *extra,
+                  env=cached_env)
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
   step = records[0]

@@ -80,21 +80,22 @@ def test_fixed_and_adaptive_proportions():
       mixture.proportions(base, state, False, 0.5, 0.05), base)
 
 
-def _train(*args):
+def _train(*args, env=None):
   return subprocess.run([sys.executable, "-m", "mopd_jax.train", *args],
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.mark.parametrize("config, extra", [
     ("grpo", ()), ("mix_rl", ()),
     ("grpo", ("--config.rl.beta=0.1", "--config.rl.tis_cap=2.0"))])
 def test_cli_trains_from_the_base_run(smoke_run, tmp_path, data_dir, config,
-                                      extra):
+                                      extra, cached_env):
   base = smoke_run[0]
   run = tmp_path / config
   result = _train(f"--config={ROOT}/configs/{config}.py:smoke",
                   f"--workdir={run}", f"--config.init={base}",
-                  f"--config.data.data_dir={data_dir}", *extra)
+                  f"--config.data.data_dir={data_dir}", *extra,
+                  env=cached_env)
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
   step = records[0]
