@@ -4,6 +4,9 @@ or the new one, never half of one.
 The text goes to a temporary file in the same directory, is flushed to disk,
 and is renamed over the target (``os.replace`` is atomic on POSIX and
 Windows within one file system).
+
+In a multi-host run only process 0 writes (every process computes the same
+payload, and the hosts share the workdir); the others return at once.
 """
 
 from __future__ import annotations
@@ -12,9 +15,14 @@ import json
 import os
 from typing import Any
 
+from mopd_jax.parallel import is_primary
+
 
 def write_text_atomic(path: str, text: str) -> None:
-  """Replace the file at ``path`` with ``text`` (UTF-8) in one step."""
+  """Replace the file at ``path`` with ``text`` (UTF-8) in one step (on
+  process 0 only)."""
+  if not is_primary():
+    return
   # Per process, so that two runs never share a temporary file; open()
   # (unlike mkstemp) gives the file the usual permissions.
   tmp = f"{path}.{os.getpid()}.tmp"

@@ -8,7 +8,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+
+from mopd_jax.parallel import to_host
 
 
 def _key_name(key) -> str:
@@ -26,19 +27,13 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]]:
   return [("/".join(_key_name(k) for k in path), leaf) for path, leaf in flat]
 
 
-def _host(leaf) -> np.ndarray:
-  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-    leaf = multihost_utils.process_allgather(leaf, tiled=True)
-  return np.ascontiguousarray(jax.device_get(leaf))
-
-
 def tree_checksum(tree: Any) -> str:
   """``sha256`` over the leaves of ``tree`` in sorted name order, each as
   ``name:dtype:shape`` then its raw bytes; equal digests mean bit-identical
   trees with the same names, shapes and dtypes."""
   digest = hashlib.sha256()
   for name, leaf in sorted(named_leaves(tree), key=lambda item: item[0]):
-    array = _host(leaf)
+    array = np.ascontiguousarray(to_host(leaf))
     digest.update(f"{name}:{array.dtype.name}:{array.shape}\n".encode())
     digest.update(array.tobytes())
   return digest.hexdigest()

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import ml_collections
 
+from mopd_jax import parallel
 from mopd_jax.data.domains import DOMAINS, TRAIN_DOMAINS
 from mopd_jax.errors import ConfigError
 from mopd_jax.models.config import ModelConfig
@@ -115,7 +116,16 @@ def defaults(method: str) -> ml_collections.ConfigDict:
   # The fused vocabulary ops of every loss: auto (Pallas on GPU/TPU, XLA
   # elsewhere) | xla | pallas; block_v: vocabulary tile (0: the op's default).
   c.ops = ml_collections.ConfigDict(dict(impl="auto", block_v=0))
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # Device mesh (one size may be -1: the rest of the devices) and the
+  # logical-axis rule set: fsdp_tp | fsdp | dp (see mopd_jax/parallel.py).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
+                                          rules="fsdp_tp"))
+  # Multi-host runs: jax.distributed.initialize when enabled (or when the
+  # JAX_COORDINATOR_ADDRESS environment variable is set); empty or negative
+  # fields are detected (TPU pods, SLURM) or read from JAX_NUM_PROCESSES and
+  # JAX_PROCESS_ID.
+  c.distributed = ml_collections.ConfigDict(dict(
+      enabled=False, coordinator_address="", num_processes=0, process_id=-1))
   return c
 
 
@@ -252,6 +262,9 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("ops.impl", lambda v: v in ("auto", "xla", "pallas"),
      "auto, xla or pallas"),
     ("ops.block_v", _non_negative, ">= 0 (0: the op's default)"),
+    ("mesh.rules", lambda v: v in parallel.RULE_SETS,
+     " or ".join(parallel.RULE_SETS)),
+    ("distributed.num_processes", _non_negative, ">= 0 (0: detected)"),
     ("mixture.exploration", _non_negative, ">= 0"),
     ("mixture.floor", _non_negative, ">= 0"),
     ("mixture.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),

@@ -15,6 +15,7 @@ from typing import Mapping
 from tensorboardX import SummaryWriter
 
 from mopd_jax.atomic import write_text_atomic
+from mopd_jax.parallel import is_primary
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -22,15 +23,20 @@ METRICS_FILE = "metrics.jsonl"
 class MetricWriter:
   """Appends ``{"step": s, **scalars}`` to ``<workdir>/metrics.jsonl`` and
   writes the same scalars to TensorBoard under ``<workdir>/tb``; events of
-  steps ``>= purge_step`` that an earlier, killed run wrote are discarded."""
+  steps ``>= purge_step`` that an earlier, killed run wrote are discarded.
+  In a multi-host run only process 0 writes; elsewhere it does nothing."""
 
   def __init__(self, workdir: str, purge_step: int | None = None):
     self.path = os.path.join(workdir, METRICS_FILE)
-    self._jsonl = open(self.path, "a", encoding="utf-8")
-    self._tb = SummaryWriter(os.path.join(workdir, "tb"),
-                             purge_step=purge_step)
+    self._active = is_primary()
+    if self._active:
+      self._jsonl = open(self.path, "a", encoding="utf-8")
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"),
+                               purge_step=purge_step)
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    if not self._active:
+      return
     clean = {k: float(v) for k, v in scalars.items()}
     # JSON has no NaN/inf; keep the line parseable and the fact visible.
     line = {k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}
@@ -40,6 +46,8 @@ class MetricWriter:
       self._tb.add_scalar(k, v, int(step))
 
   def close(self) -> None:
+    if not self._active:
+      return
     self._jsonl.close()
     self._tb.close()
 

@@ -11,10 +11,12 @@ import os
 import re
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mopd_jax import config as config_lib
+from mopd_jax import parallel
 from mopd_jax.errors import UserError
 from mopd_jax.stages.common import (check_resumable, resolve_model,
                                     save_run_config)
@@ -41,7 +43,8 @@ def prepare_workdir(workdir: str) -> str:
   path = os.path.abspath(os.path.expanduser(workdir))
   try:
     os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, ".write_test")
+    # Per process: the hosts of a multi-host run may share the workdir.
+    probe = os.path.join(path, f".write_test.{jax.process_index()}")
     with open(probe, "w", encoding="utf-8"):
       pass
     os.remove(probe)
@@ -56,11 +59,14 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)  # keep library chatter off the bar
   try:
     config = config_lib.validate(_load_config())
+    # Once per process, before anything touches a device.
+    parallel.init_distributed(config.distributed)
     workdir = prepare_workdir(_WORKDIR.value)
     resolve_model(config)
     check_resumable(config, workdir)
     save_run_config(config, workdir)
-    importlib.import_module(STAGES[config.method]).run(config, workdir)
+    with parallel.use_rules(config.mesh.rules):
+      importlib.import_module(STAGES[config.method]).run(config, workdir)
   except UserError as e:
     _fail(str(e))
 

@@ -54,8 +54,20 @@ def make_optimizer(optim, total_steps: int) -> optax.GradientTransformation:
 
 
 def init_state(params, optimizer: optax.GradientTransformation) -> dict:
-  """The train state: everything that must survive a restart."""
-  return dict(params=params, opt_state=jax.jit(optimizer.init)(params),
+  """The train state: everything that must survive a restart.
+
+  The optimiser state is created with every parameter-shaped leaf (AdamW's
+  moments) sharded exactly like its parameter; left to itself XLA would
+  replicate these zeros on every device. Its other leaves (step counts)
+  are left to the compiler.
+  """
+  shardings = optax.tree_map_params(
+      optimizer, lambda _, sharding: sharding,
+      jax.eval_shape(optimizer.init, params),
+      jax.tree.map(lambda p: p.sharding, params),
+      transform_non_params=lambda _: None)
+  opt_state = jax.jit(optimizer.init, out_shardings=shardings)(params)
+  return dict(params=params, opt_state=opt_state,
               step=jnp.zeros((), jnp.int32))
 
 

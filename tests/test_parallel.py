@@ -1,18 +1,30 @@
-"""Sharded forward and train step on 8 fake CPU devices equal one device."""
+"""Sharding on 8 fake CPU devices: parameters and optimiser state laid out
+as the rules say, and a train step and greedy generation on every mesh equal
+to one device; the rule sets; a sharded MOPD run from the CLI."""
+
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from mopd_jax import parallel
+from conftest import ROOT
+from mopd_jax import parallel, training
 from mopd_jax.errors import ConfigError
-from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.objectives.sft import sft_loss
+from mopd_jax.rollout import sampler
+from mopd_jax.stages import common
 
 CFG = ModelConfig(vocab_size=40, embed_dim=32, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, mlp_dim=64)
+OPT = optax.adamw(1e-2, weight_decay=0.1)
+GREEDY = sampler.SamplingConfig(max_new_tokens=6, temperature=0.0, eos_id=2)
 
 
 def test_make_mesh_shapes_and_errors():
@@ -24,34 +36,115 @@ def test_make_mesh_shapes_and_errors():
     parallel.make_mesh(3, 1, 1)
   with pytest.raises(ConfigError, match="mesh"):
     parallel.make_mesh(-1, -1, 1)
+  with pytest.raises(ConfigError, match="mesh.rules"):
+    parallel.make_mesh(rules="zero3")
 
 
-def test_sharded_train_step_matches_single_device():
+@pytest.mark.parametrize("rules, q_spec, embed_spec", [
+    ("fsdp_tp", P(None, "fsdp", "tensor", None), P("tensor", "fsdp")),
+    ("fsdp", P(None, "fsdp", None, None), P(None, "fsdp")),
+    ("dp", P(None, None, None, None), P(None, None)),
+])
+def test_rule_sets_place_parameters(rules, q_spec, embed_spec):
   mesh = parallel.make_mesh(2, 2, 2)
-  params = decoder.init_params(CFG, jax.random.key(0))
+  with parallel.use_rules(rules):
+    shardings = common.param_shardings(CFG, mesh)
+  assert shardings["layers"]["q"].spec == q_spec
+  assert shardings["embed"].spec == embed_spec
+
+
+def test_axes_that_do_not_divide_stay_replicated():
+  one_kv = ModelConfig(**{**CFG.__dict__, "num_kv_heads": 1})
+  shardings = common.param_shardings(one_kv, parallel.make_mesh(2, 2, 2))
+  assert shardings["layers"]["k"].spec == P(None, "fsdp", None, None)
+  # A batch of 2 over data x fsdp = 2 x 4 goes over data alone.
+  assert parallel.batch_sharding(parallel.make_mesh(2, 4, 1),
+                                 (2, 5)).spec == P("data", None)
+
+
+def _batch():
   rng = np.random.default_rng(0)
-  batch = dict(tokens=rng.integers(3, 40, (8, 12)).astype(np.int32),
-               segment_ids=np.ones((8, 12), np.int32),
-               loss_mask=np.ones((8, 12), np.int32))
-  opt = optax.adam(1e-2)
+  return dict(tokens=rng.integers(3, 40, (8, 12)).astype(np.int32),
+              segment_ids=np.ones((8, 12), np.int32),
+              loss_mask=np.ones((8, 12), np.int32))
 
-  def step(params, batch):
-    def loss(p):
-      s, c = sft_loss(p, CFG, batch)
-      return s / c
-    value, grads = jax.value_and_grad(loss)(params)
-    updates, _ = opt.update(grads, opt.init(params), params)
-    return optax.apply_updates(params, updates), value
 
-  ref_params, ref_loss = jax.jit(step)(params, batch)
-  shardings = parallel.logical_sharding(mesh, decoder.logical_axes(CFG))
+@jax.jit
+def _step(state, batch):
+  def loss(p):
+    s, c = sft_loss(p, CFG, batch)
+    return s / c
+  value, grads = jax.value_and_grad(loss)(state["params"])
+  params, opt_state, _ = training.guarded_update(
+      OPT, value, grads, state["params"], state["opt_state"])
+  return dict(params=params, opt_state=opt_state), value
+
+
+def _run(mesh):
+  """Initial state, one train step and greedy completions on ``mesh``."""
+  prompt = np.random.default_rng(1).integers(3, 40, (8, 5)).astype(np.int32)
   with parallel.activate(mesh):
-    sharded = jax.device_put(params, shardings)
-    b = jax.device_put(batch, parallel.batch_sharding(mesh))
-    new_params, loss = jax.jit(step)(sharded, b)
-  assert new_params["layers"]["q"].sharding.is_equivalent_to(
-      shardings["layers"]["q"], 4)
-  assert len(new_params["layers"]["q"].sharding.device_set) == 8
-  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-  for a, r in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params)):
+    state = training.init_state(common.init_params(CFG, mesh, 0), OPT)
+    rollout = sampler.sample(state["params"], CFG, prompt,
+                             np.ones_like(prompt), jax.random.key(0), GREEDY)
+    new, loss = _step(state, parallel.shard_batch(mesh, _batch()))
+  return state, new, float(loss), np.asarray(rollout.completion)
+
+
+@pytest.fixture(scope="module")
+def single_device():
+  return _run(parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 4, 1), (2, 2, 2)])
+def test_sharded_state_step_and_generation_match_one_device(shape,
+                                                            single_device):
+  mesh = parallel.make_mesh(*shape)
+  state, new, loss, tokens = _run(mesh)
+  ref_state, ref_new, ref_loss, ref_tokens = single_device
+  mu = state["opt_state"][0].mu
+  fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"]
+  for leaf, spec, ways in [
+      (state["params"]["layers"]["q"], P(None, "fsdp", "tensor", None),
+       fsdp * tensor),
+      (mu["layers"]["q"], P(None, "fsdp", "tensor", None), fsdp * tensor),
+      (state["params"]["embed"], P("tensor", "fsdp"), fsdp * tensor),
+      (mu["embed"], P("tensor", "fsdp"), fsdp * tensor),
+      (mu["layers"]["down"], P(None, "tensor", "fsdp"), fsdp * tensor),
+      (mu["final_norm"], P(None), 1)]:
+    assert leaf.sharding.spec == spec
+    assert len(leaf.sharding.device_set) == 8
+    # No device holds more than its 1/ways share.
+    assert max(s.data.size for s in leaf.addressable_shards) * ways == (
+        leaf.size)
+  for a, r in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+  for before, after in zip(jax.tree.leaves(state["opt_state"]),
+                           jax.tree.leaves(new["opt_state"])):
+    assert after.sharding.is_equivalent_to(before.sharding, before.ndim)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for a, r in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=1e-5)
+  np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+def test_cli_mopd_with_two_teachers_on_a_sharded_mesh(smoke_run, tmp_path,
+                                                      data_dir, cached_env):
+  """Student and teachers (the smoke base: one kv head, so kv stays
+  replicated) sharded over data=2 x fsdp=2 x tensor=2."""
+  base = smoke_run[0]
+  run = tmp_path / "mopd"
+  result = subprocess.run(
+      [sys.executable, "-m", "mopd_jax.train",
+       f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
+       f"--config.init={base}", f"--config.teachers=add={base},sort={base}",
+       "--config.data.domains=('add','sort')", "--config.eval.domains=('add',)",
+       f"--config.data.data_dir={data_dir}", "--config.train.steps=2",
+       "--config.eval.greedy=False", "--config.mesh.fsdp=2",
+       "--config.mesh.tensor=2"],
+      capture_output=True, text=True, timeout=300, cwd=ROOT,
+      env=dict(cached_env, PYTHONPATH=ROOT))
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(l) for l in open(run / "metrics.jsonl")]
+  assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+  assert os.path.exists(run / "summary.json")

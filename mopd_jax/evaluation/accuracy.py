@@ -8,6 +8,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
+from mopd_jax import parallel
 from mopd_jax.data.batching import encode_prompts
 from mopd_jax.data.domains import get_domain
 from mopd_jax.rollout import sampler
@@ -29,9 +30,9 @@ def generate(params, model_cfg, tokenizer, prompts: Sequence[str],
     tokens, mask = encode_prompts(padded, tokenizer, width)
     rollout = sampler.sample(params, model_cfg, tokens, mask,
                              jax.random.fold_in(key, start), sampling)
-    completion = np.asarray(rollout.completion)[:len(chunk)]
-    texts += [tokenizer.decode(row) for row in completion]
-    lengths += np.asarray(rollout.mask)[:len(chunk)].sum(axis=1).tolist()
+    rollout = parallel.to_host(rollout)
+    texts += [tokenizer.decode(row) for row in rollout.completion[:len(chunk)]]
+    lengths += rollout.mask[:len(chunk)].sum(axis=1).tolist()
   return texts, lengths
 
 

@@ -186,11 +186,10 @@ def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
     padded = -(-padded // data_parallel) * data_parallel
     idx = np.concatenate([rows, np.full(padded - rows.size, rows[0])])
     with parallel.activate(mesh):
-      batch_in = jax.device_put(
-          {k: arrays[k][idx] for k in ("prompt", "prompt_mask", "completion",
-                                       "mask")},
-          parallel.batch_sharding(mesh))
-      result = jax.device_get(scorer(p, **batch_in))
+      batch_in = parallel.shard_batch(
+          mesh, {k: arrays[k][idx] for k in ("prompt", "prompt_mask",
+                                             "completion", "mask")})
+      result = parallel.to_host(scorer(p, **batch_in))
     for key, value in result.items():
       value = np.asarray(value)[:rows.size]
       if key not in out:

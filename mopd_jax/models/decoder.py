@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mopd_jax import parallel
 from mopd_jax.models.config import ModelConfig
 
 Params = Any
@@ -32,6 +33,10 @@ class KVCache(NamedTuple):
   v: jax.Array
   segment_ids: jax.Array  # [batch, slots]; 0 marks an empty or padding slot
   index: jax.Array  # int32 scalar: slot of the next token written
+
+
+# Logical axes of one layer's cache keys/values (slots count as ``length``).
+KV_AXES = ("batch", "length", "kv_heads", "head_dim")
 
 
 def _box(value, names):
@@ -180,20 +185,22 @@ def _layer(cfg: ModelConfig, x, p, positions, mask, kv_cache, index):
   q = rope(q, positions, cfg.rope_theta)
   k = rope(k, positions, cfg.rope_theta)
   if kv_cache is not None:
-    k_all = jax.lax.dynamic_update_slice(kv_cache[0], k, (0, index, 0, 0))
-    v_all = jax.lax.dynamic_update_slice(kv_cache[1], v, (0, index, 0, 0))
+    k_all = parallel.constrain(jax.lax.dynamic_update_slice(
+        kv_cache[0], k, (0, index, 0, 0)), KV_AXES)
+    v_all = parallel.constrain(jax.lax.dynamic_update_slice(
+        kv_cache[1], v, (0, index, 0, 0)), KV_AXES)
   else:
     k_all, v_all = k, v
   attn = _attend(q, k_all, v_all, mask)
   x = x + jnp.einsum("bthk,hkd->btd", attn, p["o"].astype(dt))
-  x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+  x = parallel.constrain(x, ("batch", "length", "embed"))
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
   gate = jnp.einsum("btd,df->btf", h, p["gate"].astype(dt))
   up = jnp.einsum("btd,df->btf", h, p["up"].astype(dt))
-  act = nn.with_logical_constraint(jax.nn.silu(gate) * up,
+  act = parallel.constrain(jax.nn.silu(gate) * up,
                                    ("batch", "length", "mlp"))
   x = x + jnp.einsum("btf,fd->btd", act, p["down"].astype(dt))
-  x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+  x = parallel.constrain(x, ("batch", "length", "embed"))
   return x, None if kv_cache is None else (k_all, v_all)
 
 
@@ -211,8 +218,12 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
     positions = positions_from_segments(segment_ids)
   dt = jnp.dtype(cfg.dtype)
   T = tokens.shape[1]
-  x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
-  x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+  # Looked up in a copy of the table gathered along the vocabulary (still
+  # split along ``embed``): a gather from a vocab-sharded table has no
+  # efficient SPMD partitioning, and XLA would replicate the whole table.
+  table = parallel.constrain(params["embed"], (None, "embed"))
+  x = jnp.take(table, tokens, axis=0).astype(dt)
+  x = parallel.constrain(x, ("batch", "length", "embed"))
   if cache is None:
     slots = jnp.arange(T)
     mask = attention_mask(segment_ids, slots[None].repeat(tokens.shape[0], 0),
@@ -256,11 +267,19 @@ def unembed(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
   """Float32 logits [B, T, V] of hidden states [B, T, D]: ``h W_out``."""
   logits = jnp.einsum("btd,dv->btv", h, output_weight(params, cfg).astype(h.dtype),
                       preferred_element_type=jnp.float32)
-  return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+  return parallel.constrain(logits, ("batch", "length", "vocab"))
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
-  """An empty cache of ``slots`` positions per sequence."""
+  """An empty cache of ``slots`` positions per sequence, laid out by the
+  logical axes ``layers`` + ``KV_AXES`` on the mesh in scope."""
   shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
-  return KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype),
-                 jnp.zeros((batch, slots), jnp.int32), jnp.zeros((), jnp.int32))
+
+  def zeros():
+    return parallel.constrain(jnp.zeros(shape, cfg.dtype),
+                              ("layers",) + KV_AXES)
+
+  return KVCache(zeros(), zeros(),
+                 parallel.constrain(jnp.zeros((batch, slots), jnp.int32),
+                                    ("batch", "length")),
+                 jnp.zeros((), jnp.int32))

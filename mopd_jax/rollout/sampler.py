@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mopd_jax import parallel
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.ops.logprobs import token_logprobs
@@ -76,8 +77,10 @@ def _choose(logits, key, sampling: SamplingConfig):
   return token.astype(jnp.int32), token_logprobs(z, token)
 
 
-@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(4,))
-def _prefill(params, cfg: ModelConfig, prompt, prompt_mask, cache):
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _prefill(params, cfg: ModelConfig, prompt, prompt_mask, slots: int):
+  # The cache is created here, under jit, so that it is born sharded.
+  cache = decoder.init_cache(cfg, prompt.shape[0], slots)
   segments = prompt_mask.astype(jnp.int32)
   logits, cache = decoder.apply(params, cfg, prompt, segments, None, cache)
   next_position = jnp.sum(segments, axis=1)
@@ -124,12 +127,17 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
   """Sample up to ``max_new_tokens`` per left-padded prompt row.
 
   ``prompt``: [B, P] int32, ``prompt_mask``: [B, P] (1 on real tokens, which
-  must be right-aligned). Deterministic for a given ``key``.
+  must be right-aligned). Deterministic for a given ``key``. Under a mesh
+  (``parallel.activate``) the prompts are split over the batch axis, each
+  host feeding its own rows, and the cache is sharded as ``init_cache``
+  says; the result is then a global array (``parallel.to_host`` reads it).
   """
-  batch, width = prompt.shape
-  cache = decoder.init_cache(cfg, batch, width + sampling.max_new_tokens)
-  last_logits, cache, position = _prefill(params, cfg, prompt, prompt_mask,
-                                          cache)
+  mesh = jax.sharding.get_mesh()
+  if not mesh.empty:
+    prompt, prompt_mask = parallel.shard_batch(mesh, (prompt, prompt_mask))
+  last_logits, cache, position = _prefill(
+      params, cfg, prompt, prompt_mask,
+      prompt.shape[1] + sampling.max_new_tokens)
   rollout, _ = _decode(params, cfg, sampling, key, cache, last_logits,
                        position)
   return rollout

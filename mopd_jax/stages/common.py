@@ -129,9 +129,17 @@ def check_divisible(mesh, batch: int, field: str) -> None:
                       f" multiple of the {data_parallel} data-parallel devices")
 
 
+def param_shapes(model_cfg):
+  """``ShapeDtypeStruct``s of the parameters (nothing allocated)."""
+  return jax.eval_shape(
+      lambda: decoder.init_params(model_cfg, jax.random.key(0)))
+
+
 def param_shardings(model_cfg, mesh):
-  """NamedShardings of every parameter, from its logical axes."""
-  return parallel.logical_sharding(mesh, decoder.logical_axes(model_cfg))
+  """NamedShardings of every parameter, from its logical axes and the rules
+  in scope (``parallel.use_rules``)."""
+  return parallel.logical_sharding(mesh, decoder.logical_axes(model_cfg),
+                                   param_shapes(model_cfg))
 
 
 def init_params(model_cfg, mesh, seed: int):
@@ -144,11 +152,10 @@ def init_params(model_cfg, mesh, seed: int):
 
 def load_params(run_dir: str, model_cfg, mesh):
   """The final parameters of an earlier run, sharded over ``mesh``."""
-  shapes = jax.eval_shape(
-      lambda: decoder.init_params(model_cfg, jax.random.key(0)))
   like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                          sharding=sh),
-                      shapes, param_shardings(model_cfg, mesh))
+                      param_shapes(model_cfg),
+                      param_shardings(model_cfg, mesh))
   return checkpointing.load_params(run_dir, like)
 
 

@@ -185,7 +185,6 @@ def run(config, workdir: str):
   update = rl.make_update(
       make_loss(model_cfg, sampling, rl_cfg, opd_cfg, om.reward_refresh, ops),
       optimizer)
-  shard = parallel.batch_sharding(mesh)
 
   def gap_now(gap_state):
     if not om.gap_budget:
@@ -222,7 +221,7 @@ def run(config, workdir: str):
     with parallel.activate(mesh):
       train, pairs = rl.optimise(
           train, data, update, rl_cfg,
-          np.random.default_rng([config.seed, step, 1]), shard, (teacher_w,))
+          np.random.default_rng([config.seed, step, 1]), mesh, (teacher_w,))
     new_state = dict(train, step=state["step"] + 1, gap=gap_state)
     rl.batch_metrics(pairs, names, seq_ids, data["mask"], rewards, weights)
     effective = loss_w * tokens

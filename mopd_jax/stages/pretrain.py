@@ -62,7 +62,6 @@ def run(config, workdir: str):
     return new_state, {"loss": (total, count),
                        training.SKIPPED: (skipped, jnp.float32(1))}
 
-  batch_sharding = parallel.batch_sharding(mesh)
   sources = [train_sets[d] for d in config.data.domains]
 
   def step_fn(state, step):
@@ -70,7 +69,7 @@ def run(config, workdir: str):
     arrays, _ = batching.pack_demonstrations(draw, tokenizer,
                                              config.train.batch_size, length)
     with parallel.activate(mesh):
-      return train_step(state, jax.device_put(arrays, batch_sharding))
+      return train_step(state, parallel.shard_batch(mesh, arrays))
 
   eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test_sets, mesh,
                                 common.write_eval(workdir, config.train.steps))

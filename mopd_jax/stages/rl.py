@@ -75,9 +75,10 @@ def make_update(loss_fn, optimizer):
 
 
 def optimise(train, data: dict, update, rl, rng: np.random.Generator,
-             sharding=None, shared: tuple = ()):
+             mesh=None, shared: tuple = ()):
   """``rl.epochs`` passes over the rollout batch ``data`` (per-sequence
-  arrays), each in ``rl.minibatches`` shuffled minibatches; the log-probs in
+  arrays), each in ``rl.minibatches`` shuffled minibatches (split over
+  ``mesh``'s batch axis when given); the log-probs in
   ``data["old_logp"]`` stay ``pi_old`` throughout. Returns the new
   ``train`` and the accumulated ``(sum, count)`` metrics."""
   batch = len(data["advantages"])
@@ -88,8 +89,8 @@ def optimise(train, data: dict, update, rl, rng: np.random.Generator,
     for m in range(rl.minibatches):
       idx = order[m * size:(m + 1) * size]
       mb = {k: v[idx] for k, v in data.items()}
-      if sharding is not None:
-        mb = jax.device_put(mb, sharding)
+      if mesh is not None:
+        mb = parallel.shard_batch(mesh, mb)
       train, metrics = update(train, mb, *shared)
       pairs = training.accumulate(pairs, metrics)
   return train, pairs
@@ -151,7 +152,8 @@ class Rollouts:
       rollout = sampler.sample(params, self.model_cfg, prompt, prompt_mask,
                                jax.random.fold_in(self.key, step),
                                self.sampling)
-    completion = np.asarray(rollout.completion)
+      rollout = parallel.to_host(rollout)
+    completion = rollout.completion
     seq_ids = np.repeat(ids, rl.group_size)
     rewards = np.array([
         self.verifiers[d](self.tokenizer.decode(row),
@@ -162,9 +164,9 @@ class Rollouts:
   def logprobs(self, params, data: dict) -> np.ndarray:
     """[B, T] policy log-probs of ``data``'s completions under ``params``."""
     with parallel.activate(self.mesh):
-      return np.asarray(self._logprobs(params, data["prompt"],
-                                       data["prompt_mask"],
-                                       data["completion"], data["mask"]))
+      batch = parallel.shard_batch(self.mesh, [
+          data[k] for k in ("prompt", "prompt_mask", "completion", "mask")])
+      return parallel.to_host(self._logprobs(params, *batch))
 
   def add_policy_inputs(self, data: dict, params, ref_params) -> None:
     """``ref_logp`` under ``ref_params`` (if given); with ``rl.tis_cap``,
@@ -220,7 +222,6 @@ def run(config, workdir: str):
   state["mixture"] = mixture.init_state(len(names))
   update = make_update(make_loss(model_cfg, sampling, rl,
                                  config_lib.op_options(config)), optimizer)
-  shard = parallel.batch_sharding(mesh)
 
   def step_fn(state, step):
     weights = mixture.proportions(base, state["mixture"], adaptive, explore,
@@ -235,7 +236,7 @@ def run(config, workdir: str):
     with parallel.activate(mesh):
       train, pairs = optimise(train, data, update, rl,
                               np.random.default_rng([config.seed, step, 1]),
-                              shard)
+                              mesh)
     group_signal = np.abs(advantages).reshape(-1, rl.group_size).mean(1)
     new_state = dict(train, step=state["step"] + 1,
                      mixture=mixture.update_state(
