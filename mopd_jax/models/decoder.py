@@ -218,10 +218,12 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
     positions = positions_from_segments(segment_ids)
   dt = jnp.dtype(cfg.dtype)
   T = tokens.shape[1]
-  # Looked up in a copy of the table gathered along the vocabulary (still
-  # split along ``embed``): a gather from a vocab-sharded table has no
-  # efficient SPMD partitioning, and XLA would replicate the whole table.
-  table = parallel.constrain(params["embed"], (None, "embed"))
+  # Looked up in a replicated copy of the table (one all-gather, as FSDP
+  # does for every weight it uses), so that each device gathers its own
+  # batch rows: from a vocab- or embed-sharded table the gathered rows come
+  # out split along ``embed``, and XLA has no efficient way from there to
+  # the batch-split activations ("involuntary full rematerialization").
+  table = parallel.constrain(params["embed"], (None, None))
   x = jnp.take(table, tokens, axis=0).astype(dt)
   x = parallel.constrain(x, ("batch", "length", "embed"))
   if cache is None:

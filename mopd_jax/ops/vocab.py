@@ -31,6 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mopd_jax import parallel
 from mopd_jax.ops import vocab_pallas, vocab_xla
 
 
@@ -90,8 +91,16 @@ def _masked(x, keep, shape):
 def _picked(h, w, targets, scale):
   """``scale * h_n . w[:, y_nk]``: the ``[N, K]`` target logits, float32."""
   acc = jnp.promote_types(h.dtype, jnp.float32)
-  return scale * jnp.einsum("nd,dnk->nk", h, jnp.take(w, targets, axis=1),
+  return scale * jnp.einsum("nd,dnk->nk", h, _columns(w, targets),
                             preferred_element_type=acc)
+
+
+def _columns(w, targets):
+  """``w[:, targets]``, gathered from a replicated copy of ``w`` on a mesh:
+  each device then picks its own rows' columns, where a gather from a
+  sharded ``w`` would have XLA replicate its result (see
+  ``decoder.hidden_states``)."""
+  return jnp.take(parallel.constrain(w, (None, None)), targets, axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -116,10 +125,12 @@ def _logprobs_bwd(cfg, res, cotangents):
   dh, dw = cfg.op("lse_grads")(h, w, lse, entropy, g_lse, g_entropy)
   # The gathered logits: d z_y / d h = scale w[:, y], d z_y / d w[:, y] = scale h.
   g = cfg.scale * g_logp
-  dh = dh + jnp.einsum("nk,dnk->nd", g, jnp.take(w, targets, axis=1),
+  dh = dh + jnp.einsum("nk,dnk->nd", g, _columns(w, targets),
                        preferred_element_type=jnp.float32)
-  dw = dw.at[:, targets].add(
-      jnp.einsum("nk,nd->dnk", g, h, preferred_element_type=jnp.float32))
+  # Scattered into a replicated buffer (the transpose of ``_columns``).
+  dw = dw + parallel.constrain(jnp.zeros_like(dw), (None, None)).at[
+      :, targets].add(jnp.einsum("nk,nd->dnk", g, h,
+                                 preferred_element_type=jnp.float32))
   zero = None if entropy is None else jnp.zeros_like(entropy)
   return (dh.astype(h.dtype), dw.astype(w.dtype), None, jnp.zeros_like(lse),
           zero)
