@@ -1,0 +1,213 @@
+"""Per-device memory plan of a MOPD run, and a check against XLA.
+
+    python experiments/memory_plan.py --model=qwen7b --teachers=3 \
+        --mesh 4,16,1 1,64,1 --hbm_gib=16
+    python experiments/memory_plan.py --check   # tiny model, 8 fake CPUs
+
+For each mesh ``data,fsdp,tensor`` (and ``--rules``) it prints the bytes one
+device holds, every array placed by the logical-axis rules exactly as the
+code places it (``parallel.mesh_spec``: a mesh axis that does not divide a
+dimension leaves it replicated):
+
+* ``params``: the student's parameters (``model.param_dtype``);
+* ``adam``: AdamW's two moments, float32, sharded like the parameters;
+* ``grads``: one gradient per parameter (``param_dtype``);
+* ``teachers``: ``--teachers`` frozen copies of the same architecture;
+* ``kv``: the rollout KV cache, ``2 L B S K d_h`` elements (``dtype``),
+  ``B = --rollout_batch`` sequences of ``S = --length`` slots, split over
+  ``batch`` and ``kv_heads``;
+* ``act``: activations the backward pass keeps for a train minibatch of
+  ``--train_batch`` sequences of ``T = --length`` tokens. Per layer and
+  token: ``4 D`` (residual in/mid and both norm outputs) ``+ 2 H d_h``
+  (queries, attention output) ``+ 2 K d_h`` (keys, values) ``+ 3 F``
+  (gate, up, SwiGLU) elements of ``dtype``, plus ``2 H T`` float32 scores
+  and probabilities (the decoder materialises attention); times ``L``. With
+  ``--remat`` (per-layer rematerialisation, which the decoder does not do
+  yet): ``L D`` per token plus one layer's full set. The vocabulary ops
+  never hold ``[tokens, V]`` logits and are left out.
+
+``--check`` compiles the tiny model's train step and the sampler's cache
+allocation on a (2,2,2) mesh of 8 fake CPU devices and prints these
+estimates next to XLA's ``compiled.memory_analysis()`` (arguments = params +
+adam + batch, temps = grads + activations, output = KV cache) with their
+ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import jax
+import numpy as np
+import optax
+
+from mopd_jax import parallel, training
+from mopd_jax.models import decoder
+from mopd_jax.models.config import PRESETS, ModelConfig
+from mopd_jax.objectives.sft import sft_loss
+from mopd_jax.stages import common
+
+MODELS = ("tiny", "qwen7b")
+
+
+def model_config(name: str):
+  if name == "tiny":
+    return PRESETS["tiny"]
+  # Qwen2.5-7B-class: q/k/v biases, untied output layer, bfloat16.
+  return ModelConfig(vocab_size=152064, embed_dim=3584, num_layers=28,
+                     num_heads=28, num_kv_heads=4, head_dim=128,
+                     mlp_dim=18944, rope_theta=1e6, tie_embeddings=False,
+                     attention_bias=True, dtype="bfloat16",
+                     param_dtype="bfloat16")
+
+
+def _bytes(axis_sizes, names, shape, itemsize) -> float:
+  """Bytes of one device's shard of an array of ``shape``."""
+  ways = 1
+  for entry in parallel.mesh_spec(axis_sizes, names, shape):
+    for axis in (entry,) if isinstance(entry, str) else entry or ():
+      ways *= axis_sizes[axis]
+  return math.prod(shape) * itemsize / ways
+
+
+def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
+         train_batch: int, length: int, remat: bool) -> dict:
+  """``{component: bytes per device}`` (see the module docstring)."""
+  shapes = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0)))
+  names = decoder.logical_axes(cfg)
+  leaves = list(zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(
+      x, jax.sharding.PartitionSpec)), jax.tree.leaves(shapes)))
+  p_size = np.dtype(cfg.param_dtype).itemsize
+  a_size = np.dtype(cfg.dtype).itemsize
+
+  def params(itemsize):
+    return sum(_bytes(axis_sizes, n, s.shape, itemsize) for n, s in leaves)
+
+  L, D, H, K, Dh, F = (cfg.num_layers, cfg.embed_dim, cfg.num_heads,
+                       cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim)
+  B, T = train_batch, length
+  bt, bth = ("batch", "length"), ("batch", "length", "heads", "head_dim")
+  one_layer = (
+      4 * _bytes(axis_sizes, bt + ("embed",), (B, T, D), a_size)
+      + 2 * _bytes(axis_sizes, bth, (B, T, H, Dh), a_size)
+      + 2 * _bytes(axis_sizes, decoder.KV_AXES, (B, T, K, Dh), a_size)
+      + 3 * _bytes(axis_sizes, bt + ("mlp",), (B, T, F), a_size)
+      + 2 * _bytes(axis_sizes, ("batch", "heads", None, None), (B, H, T, T),
+                   4))
+  residual = _bytes(axis_sizes, bt + ("embed",), (B, T, D), a_size)
+  kv = 2 * _bytes(axis_sizes, ("layers",) + decoder.KV_AXES,
+                  (L, rollout_batch, length, K, Dh), a_size)
+  return dict(params=params(p_size), adam=params(8), grads=params(p_size),
+              teachers=teachers * params(p_size), kv=kv,
+              act=L * residual + one_layer if remat else L * one_layer)
+
+
+def _parse_mesh(text: str) -> dict:
+  sizes = [int(s) for s in text.split(",")]
+  if len(sizes) != 3 or min(sizes) < 1:
+    raise SystemExit(f"--mesh: {text!r} is not data,fsdp,tensor")
+  return dict(zip(("data", "fsdp", "tensor"), sizes))
+
+
+def _gib(x: float) -> str:
+  return f"{x / 2**30:.2f}"
+
+
+def print_table(args) -> None:
+  cfg = model_config(args.model)
+  columns = ("params", "adam", "grads", "teachers", "kv", "act")
+  print(f"{args.model}: {cfg.num_params() / 1e9:.2f}B parameters,"
+        f" {args.teachers} teachers, rollout {args.rollout_batch} x"
+        f" {args.length}, train minibatch {args.train_batch} x"
+        f" {args.length}, rules {args.rules}"
+        f"{', remat' if args.remat else ''}; GiB per device")
+  print("| mesh (data,fsdp,tensor) | " + " | ".join(columns)
+        + " | total | of HBM |")
+  print("|---" * (len(columns) + 3) + "|")
+  with parallel.use_rules(args.rules):
+    for text in args.mesh:
+      sizes = _parse_mesh(text)
+      row = plan(cfg, sizes, args.teachers, args.rollout_batch,
+                 args.train_batch, args.length, args.remat)
+      total = sum(row.values())
+      print(f"| {text} | " + " | ".join(_gib(row[c]) for c in columns)
+            + f" | {_gib(total)} | {total / (args.hbm_gib * 2**30):.0%} |")
+
+
+def check() -> list[tuple[str, float, float]]:
+  """``(quantity, estimate, XLA)`` for the tiny model on a (2,2,2) mesh of
+  8 fake CPU devices (the process must have been started with them)."""
+  cfg = model_config("tiny")
+  mesh = parallel.make_mesh(2, 2, 2)
+  batch, length = 16, 64
+  est = plan(cfg, dict(mesh.shape), 0, batch, batch, length, remat=False)
+  optimizer = optax.adamw(1e-3)
+
+  def step(state, data):
+    def loss(p):
+      s, c = sft_loss(p, cfg, data)
+      return s / c
+    value, grads = jax.value_and_grad(loss)(state["params"])
+    params, opt_state, _ = training.guarded_update(
+        optimizer, value, grads, state["params"], state["opt_state"])
+    return dict(state, params=params, opt_state=opt_state), value
+
+  tokens = np.ones((batch, length), np.int32)
+  with parallel.activate(mesh):
+    params = jax.device_put(
+        jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                     common.param_shapes(cfg)),
+        common.param_shardings(cfg, mesh))
+    state = training.init_state(params, optimizer)
+    data = parallel.shard_batch(mesh, dict(tokens=tokens, segment_ids=tokens,
+                                           loss_mask=tokens))
+    train = jax.jit(step).lower(state, data).compile().memory_analysis()
+    cache = jax.jit(lambda: decoder.init_cache(cfg, batch, length)).lower(
+        ).compile().memory_analysis()
+  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  batch_bytes = 3 * tokens.nbytes / data_parallel
+  return [
+      ("arguments: params + adam + batch",
+       est["params"] + est["adam"] + batch_bytes,
+       train.argument_size_in_bytes),
+      ("temps: grads + activations", est["grads"] + est["act"],
+       train.temp_size_in_bytes),
+      ("KV cache (with its slot segment ids)",
+       est["kv"] + tokens.nbytes / data_parallel, cache.output_size_in_bytes),
+  ]
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", choices=MODELS, default="qwen7b")
+  parser.add_argument("--teachers", type=int, default=3)
+  parser.add_argument("--mesh", nargs="+", default=["4,16,1", "1,64,1"],
+                      help="data,fsdp,tensor (several: one row each)")
+  parser.add_argument("--rules", default="fsdp_tp")
+  parser.add_argument("--rollout_batch", type=int, default=256)
+  parser.add_argument("--train_batch", type=int, default=64)
+  parser.add_argument("--length", type=int, default=2048)
+  parser.add_argument("--hbm_gib", type=float, default=16.0)
+  parser.add_argument("--remat", action="store_true")
+  parser.add_argument("--check", action="store_true",
+                      help="tiny model against XLA on 8 fake CPU devices")
+  args = parser.parse_args(argv)
+  if args.check:
+    print("| quantity | estimate KiB | XLA KiB | XLA / estimate |")
+    print("|---|---|---|---|")
+    for name, estimate, measured in check():
+      print(f"| {name} | {estimate / 1024:.1f} | {measured / 1024:.1f} |"
+            f" {measured / estimate:.2f} |")
+  else:
+    print_table(args)
+
+
+if __name__ == "__main__":
+  if "--check" in sys.argv[1:]:  # read when jax starts its backend
+    os.environ.setdefault("XLA_FLAGS",
+                          "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  main()
