@@ -1,6 +1,7 @@
 """Sharding on 8 fake CPU devices: parameters and optimiser state laid out
 as the rules say, and a train step and greedy generation on every mesh equal
-to one device; the rule sets; a sharded MOPD run from the CLI."""
+to one device; the rule sets; a sharded MOPD run from the CLI; multi-host
+start-up and process-0-only files."""
 
 import json
 import os
@@ -14,7 +15,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import ROOT
-from mopd_jax import parallel, training
+from mopd_jax import config as config_lib
+from mopd_jax import metrics, parallel, training
 from mopd_jax.errors import ConfigError
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.objectives.sft import sft_loss
@@ -156,3 +158,41 @@ def test_cli_mopd_with_two_teachers_on_a_sharded_mesh(smoke_run, tmp_path,
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
   assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
   assert os.path.exists(run / "summary.json")
+
+
+def test_only_process_zero_writes_files(tmp_path, monkeypatch):
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  training.write_json_atomic(str(tmp_path / "summary.json"), {"a": 1})
+  writer = metrics.MetricWriter(str(tmp_path))
+  writer.write(1, {"loss": 1.0})
+  writer.close()
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_distributed_start_from_config_or_environment(monkeypatch):
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize",
+                      lambda **kw: calls.append(kw))
+  section = config_lib.defaults("pretrain").distributed
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+  assert not parallel.init_distributed(section) and not calls
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+  monkeypatch.setenv("JAX_PROCESS_ID", "3")
+  assert parallel.init_distributed(section)
+  assert calls == [dict(coordinator_address="10.0.0.1:1234", num_processes=4,
+                        process_id=3)]
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+               "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name)
+  section.enabled = True  # a TPU pod slice: everything detected
+  parallel.init_distributed(section)
+  assert calls[-1] == dict(coordinator_address=None, num_processes=None,
+                           process_id=None)
+
+
+def test_config_checks_the_rule_set():
+  config = config_lib.defaults("pretrain")
+  config.mesh.rules = "zero3"
+  with pytest.raises(ConfigError, match="mesh.rules"):
+    config_lib.validate(config)
