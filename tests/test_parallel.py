@@ -155,6 +155,8 @@ def test_cli_mopd_with_two_teachers_on_a_sharded_mesh(smoke_run, tmp_path,
       capture_output=True, text=True, timeout=300, cwd=ROOT,
       env=dict(cached_env, PYTHONPATH=ROOT))
   assert result.returncode == 0, result.stderr[-3000:]
+  # No array resharded by replicating it whole (a sharded gather's fallback).
+  assert "full rematerialization" not in result.stderr
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
   assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
   assert os.path.exists(run / "summary.json")
