@@ -212,8 +212,9 @@ def run(config, workdir: str):
     signal = np.where(mask, data["teacher_logp"] - data["old_logp"], 0.0)
     token_domain = np.broadcast_to(seq_ids[:, None], mask.shape)[mask]
     gap_state = mixture.update_state(
-        state["gap"], token_domain,
-        mopd.gap_statistic(signal[mask], om.gap_statistic), om.gap_momentum)
+        state["gap"], *mopd.gap_observations(signal, mask, seq_ids,
+                                             om.gap_statistic),
+        om.gap_momentum)
     tokens = np.bincount(token_domain, minlength=len(names)).astype(float)
     loss_w = domain_loss_weights(tokens, gap_now(gap_state), om, len(names))
     data["weight"] = loss_w[seq_ids].astype(np.float32)
