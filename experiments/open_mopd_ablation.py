@@ -73,11 +73,8 @@ def main(argv=None):
       parser.error(f"--variants: unknown {variant!r}; known: "
                    + ", ".join(VARIANTS))
     workdir = train(variant, args, extra)
-    results[variant] = {mode: headroom.headroom_recovery(
-        headroom.run_accuracies(workdir, mode),
-        headroom.run_accuracies(args.base, mode),
-        headroom.oracle_accuracies(dirs, mode))
-        for mode in ("greedy", "sampled")}
+    results[variant] = headroom.report(headroom.final_scalars(workdir),
+                                       args.base, dirs)
   report = "\n\n".join(
       [f"# Open-MOPD ablation ({args.steps} steps)",
        "Headroom recovery, greedy decoding:", table(results, domains,

@@ -150,7 +150,7 @@ def _mopd(c: ml_collections.ConfigDict) -> None:
       token_share=False,  # weight d by target_share_d / token_share_d
       target_shares=(),  # empty: uniform over domains
       gap_budget=False,  # weight d by clip((gap_d / ref)^alpha, lo, hi)
-      gap_statistic="abs_signal",  # | reverse_kl
+      gap_statistic="abs_signal",  # | reverse_kl | sequence_kl
       gap_alpha=1.0,
       gap_min=0.5,
       gap_max=2.0,
@@ -251,8 +251,9 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("opd.extrapolation", _non_negative, ">= 0 (1 disables)"),
     ("open_mopd.target_shares", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
-    ("open_mopd.gap_statistic", lambda v: v in ("abs_signal", "reverse_kl"),
-     "abs_signal or reverse_kl"),
+    ("open_mopd.gap_statistic",
+     lambda v: v in ("abs_signal", "reverse_kl", "sequence_kl"),
+     "abs_signal, reverse_kl or sequence_kl"),
     ("open_mopd.gap_alpha", _non_negative, ">= 0"),
     ("open_mopd.gap_min", _positive, "> 0"),
     ("open_mopd.gap_max", _positive, "> 0"),

@@ -11,15 +11,26 @@ from collections.abc import Mapping
 from mopd_jax.errors import CheckpointError
 
 
-def run_accuracies(run_dir: str, mode: str = "greedy") -> dict[str, float]:
-  """``{domain: accuracy}`` of the final evaluation of the run in
-  ``run_dir`` (``mode``: greedy or sampled)."""
+def final_scalars(run_dir: str) -> dict[str, float]:
+  """The scalars of the final evaluation of the run in ``run_dir``."""
   path = os.path.join(os.path.expanduser(run_dir), "eval.json")
   try:
     with open(path, encoding="utf-8") as f:
-      scalars = json.load(f)
+      return json.load(f)
   except (OSError, json.JSONDecodeError) as e:
     raise CheckpointError(f"{path}: no final evaluation ({e})") from None
+
+
+def run_accuracies(run_dir: str, mode: str = "greedy") -> dict[str, float]:
+  """``{domain: accuracy}`` of the final evaluation of the run in
+  ``run_dir`` (``mode``: greedy or sampled)."""
+  return accuracies(final_scalars(run_dir), mode)
+
+
+def accuracies(scalars: Mapping[str, float], mode: str = "greedy"
+               ) -> dict[str, float]:
+  """``{domain: accuracy}`` from evaluation scalars
+  (``eval/<mode>/<domain>/accuracy``)."""
   prefix = f"eval/{mode}/"
   return {k[len(prefix):-len("/accuracy")]: v for k, v in scalars.items()
           if k.startswith(prefix) and k.endswith("/accuracy")}
@@ -39,3 +50,14 @@ def headroom_recovery(student: Mapping[str, float], base: Mapping[str, float],
          for d in oracle if oracle[d] > base[d]}
   out["mean"] = sum(out.values()) / max(len(out), 1)
   return out
+
+
+def report(scalars: Mapping[str, float], base_dir: str,
+           teacher_dirs: Mapping[str, str]) -> dict:
+  """Headroom recovery of the evaluation ``scalars`` against the base run
+  and the oracle ensemble of ``teacher_dirs``, for greedy and sampled
+  decoding: ``{mode: {domain: recovery, "mean": ...}}``."""
+  return {mode: headroom_recovery(accuracies(scalars, mode),
+                                  run_accuracies(base_dir, mode),
+                                  oracle_accuracies(teacher_dirs, mode))
+          for mode in ("greedy", "sampled")}

@@ -238,13 +238,25 @@ def normalise_by_tokens(weights: np.ndarray, tokens: np.ndarray
   return np.asarray(weights, np.float64) / max(mean, 1e-12)
 
 
-def gap_statistic(signal: np.ndarray, name: str) -> np.ndarray:
-  """Per-token contribution to a domain's remaining gap: ``|a_t|``
-  (``abs_signal``) or ``-a_t = log pi - log T`` (``reverse_kl``: its mean
-  over a domain's tokens estimates the per-token reverse KL)."""
+def gap_observations(signal: np.ndarray, mask: np.ndarray,
+                     seq_domain: np.ndarray, name: str):
+  """``(domain ids, values)`` whose per-domain mean is the remaining gap.
+
+  * ``abs_signal``: ``|a_t|`` per token (mean: the mean absolute signal);
+  * ``reverse_kl``: ``-a_t = log pi - log T`` per token (mean: the per-token
+    reverse KL, estimated on the student's samples);
+  * ``sequence_kl``: ``sum_t -a_t`` per sequence (mean: the per-sequence
+    reverse KL, which does not shrink a long domain's gap by its length).
+
+  ``signal`` and ``mask`` are [B, T], ``seq_domain`` [B].
+  """
+  mask = np.asarray(mask).astype(bool)
+  if name == "sequence_kl":
+    return seq_domain, np.where(mask, -signal, 0.0).sum(1)
+  token_domain = np.broadcast_to(seq_domain[:, None], mask.shape)[mask]
   if name == "abs_signal":
-    return np.abs(signal)
+    return token_domain, np.abs(signal[mask])
   if name == "reverse_kl":
-    return -signal
+    return token_domain, -signal[mask]
   raise ConfigError(f"open_mopd.gap_statistic: {name!r} not in"
                     f" {opd.GAP_STATISTICS}")

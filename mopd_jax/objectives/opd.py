@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-GAP_STATISTICS = ("abs_signal", "reverse_kl")
+GAP_STATISTICS = ("abs_signal", "reverse_kl", "sequence_kl")
 
 
 def token_signal(teacher_logp: jax.Array, student_logp: jax.Array

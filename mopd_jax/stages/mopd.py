@@ -12,14 +12,17 @@ student reward refresh (``a_t`` under the current student at every update).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mopd_jax import atomic, parallel, training
 from mopd_jax import config as config_lib
-from mopd_jax import parallel, training
 from mopd_jax.data import mixture
-from mopd_jax.errors import ConfigError
+from mopd_jax.errors import CheckpointError, ConfigError
+from mopd_jax.evaluation import headroom
 from mopd_jax.fusion import mopd
 from mopd_jax.objectives import grpo, opd, policy
 from mopd_jax.ops import vocab
@@ -139,6 +142,22 @@ def domain_loss_weights(tokens: np.ndarray, gap_f: np.ndarray, om,
   return mopd.normalise_by_tokens(w, tokens)
 
 
+def write_headroom(workdir: str, scalars: dict, base_dir: str,
+                   teacher_dirs: dict) -> None:
+  """``<workdir>/headroom.json``: the final evaluation's headroom recovery
+  against the base run and the oracle ensemble, printed too; skipped with a
+  note when the base or a teacher has no final evaluation to compare with."""
+  try:
+    result = headroom.report(scalars, base_dir, teacher_dirs)
+  except CheckpointError as e:
+    print(f"headroom recovery not computed: {e}")
+    return
+  atomic.write_json_atomic(os.path.join(workdir, "headroom.json"), result)
+  for mode, r in result.items():
+    print(f"headroom recovery ({mode}): " + ", ".join(
+        f"{d} {100 * v:.1f}%" for d, v in r.items()))
+
+
 def run(config, workdir: str):
   """Distil the teachers into the student; returns the final state."""
   tokenizer, model_cfg, mesh = common.setup(config)
@@ -211,8 +230,9 @@ def run(config, workdir: str):
     signal = np.where(mask, data["teacher_logp"] - data["old_logp"], 0.0)
     token_domain = np.broadcast_to(seq_ids[:, None], mask.shape)[mask]
     gap_state = mixture.update_state(
-        state["gap"], token_domain,
-        mopd.gap_statistic(signal[mask], om.gap_statistic), om.gap_momentum)
+        state["gap"], *mopd.gap_observations(signal, mask, seq_ids,
+                                             om.gap_statistic),
+        om.gap_momentum)
     tokens = np.bincount(token_domain, minlength=len(names)).astype(float)
     loss_w = domain_loss_weights(tokens, gap_now(gap_state), om, len(names))
     data["weight"] = loss_w[seq_ids].astype(np.float32)
@@ -234,8 +254,15 @@ def run(config, workdir: str):
       pairs[f"loss_weight/{name}"] = (loss_w[d], 1.0)
     return new_state, pairs
 
+  write_eval = common.write_eval(workdir, config.train.steps)
+
+  def on_final(scalars):
+    write_eval(scalars)
+    write_headroom(workdir, scalars, config.init,
+                   {t.domain: t.run_dir for t in teachers})
+
   eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test_sets, mesh,
-                                common.write_eval(workdir, config.train.steps))
+                                on_final)
   return training.run_loop(workdir, state, step_fn, config.train.steps,
                            config.checkpoint, config.train, eval_fn,
                            desc="mopd")

@@ -42,3 +42,12 @@ def test_headroom_recovery_from_runs(tmp_path):
 def test_missing_evaluation_names_the_file(tmp_path):
   with pytest.raises(CheckpointError, match="eval.json"):
     headroom.run_accuracies(str(tmp_path))
+
+
+def test_report_for_both_decoding_modes(tmp_path):
+  base = _run(tmp_path, "base", {"add": 0.5})
+  experts = {"add": _run(tmp_path, "e_add", {"add": 0.9})}
+  student = headroom.final_scalars(_run(tmp_path, "s", {"add": 0.7}))
+  r = headroom.report(student, base, experts)
+  assert r["greedy"]["add"] == pytest.approx(0.5)
+  assert r["sampled"]["add"] == pytest.approx((0.35 - 0.25) / (0.45 - 0.25))

@@ -100,11 +100,19 @@ def test_normalise_by_tokens_and_gap_statistics():
   w = mopd.normalise_by_tokens(np.array([2.0, 1.0]), np.array([10, 30]))
   assert np.isclose((w * [10, 30]).sum() / 40, 1.0)
   np.testing.assert_allclose(w / w[1], [2.0, 1.0])
-  a = np.array([-0.5, 0.25])
-  np.testing.assert_allclose(mopd.gap_statistic(a, "abs_signal"), [0.5, .25])
-  np.testing.assert_allclose(mopd.gap_statistic(a, "reverse_kl"), [.5, -.25])
+  signal = np.array([[-0.5, 0.25, 9.0], [0.1, -0.3, -0.2]])
+  mask = np.array([[1, 1, 0], [1, 1, 1]])
+  domains = np.array([1, 0])
+  ids, values = mopd.gap_observations(signal, mask, domains, "abs_signal")
+  np.testing.assert_array_equal(ids, [1, 1, 0, 0, 0])
+  np.testing.assert_allclose(values, [0.5, 0.25, 0.1, 0.3, 0.2])
+  ids, values = mopd.gap_observations(signal, mask, domains, "reverse_kl")
+  np.testing.assert_allclose(values, [0.5, -0.25, -0.1, 0.3, 0.2])
+  ids, values = mopd.gap_observations(signal, mask, domains, "sequence_kl")
+  np.testing.assert_array_equal(ids, [1, 0])
+  np.testing.assert_allclose(values, [0.25, 0.4])
   with pytest.raises(ConfigError):
-    mopd.gap_statistic(a, "median")
+    mopd.gap_observations(signal, mask, domains, "median")
 
 
 def test_proxy_teacher_scores_with_shifted_logits():

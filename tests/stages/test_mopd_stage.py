@@ -230,6 +230,9 @@ def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
   # Teachers identical to the student: the signal starts at zero.
   assert abs(step["signal"]) < 0.05
   assert "eval/greedy/add/accuracy" in records[-1]
+  # Teachers equal to the base leave no headroom: nothing to divide by.
+  assert json.load(open(run / "headroom.json")) == {
+      "greedy": {"mean": 0.0}, "sampled": {"mean": 0.0}}
 
 
 def test_cli_teacher_with_another_vocabulary_is_one_line(smoke_run, tmp_path):
