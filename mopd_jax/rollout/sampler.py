@@ -1,5 +1,6 @@
-"""Batched autoregressive sampling: jitted prefill, then a ``lax.while_loop``
-decode over a KV cache whose buffers are donated between the two.
+"""Batched autoregressive sampling: a jitted prefill that allocates the KV
+cache (sharded on the mesh in scope) and fills it, then a ``lax.while_loop``
+decode to which the cache's buffers are donated.
 
 Prompts are left-padded so every row's next token goes to the same cache slot.
 Returned log-probs are those of the sampling policy (after temperature, top-k
