@@ -3,6 +3,7 @@ as the rules say, and a train step and greedy generation on every mesh equal
 to one device; the rule sets; a sharded MOPD run from the CLI; multi-host
 start-up and process-0-only files."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -56,7 +57,7 @@ def test_rule_sets_place_parameters(rules, q_spec, embed_spec):
 
 
 def test_axes_that_do_not_divide_stay_replicated():
-  one_kv = ModelConfig(**{**CFG.__dict__, "num_kv_heads": 1})
+  one_kv = dataclasses.replace(CFG, num_kv_heads=1)
   shardings = common.param_shardings(one_kv, parallel.make_mesh(2, 2, 2))
   assert shardings["layers"]["k"].spec == P(None, "fsdp", None, None)
   # A batch of 2 over data x fsdp = 2 x 4 goes over data alone.
