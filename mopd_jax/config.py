@@ -145,6 +145,9 @@ def _mopd(c: ml_collections.ConfigDict) -> None:
       gate=False,  # keep the signal only where T(y_t) > pi(y_t)
       proxy_teacher=False,  # student_base + (expert - expert_init) logits
       extrapolation=1.0,  # lambda of a_t + (lambda-1)(log T - log base)
+      # Devices holding the teachers: 0, the student's mesh; k > 0, a
+      # sub-mesh of the last k devices (teachers' parameters sharded over it).
+      teacher_devices=0,
   ))
   c.open_mopd = ml_collections.ConfigDict(dict(
       token_share=False,  # weight d by target_share_d / token_share_d
@@ -249,6 +252,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("opd.lambda_orm", _non_negative, ">= 0"),
     ("opd.entropy_threshold", _non_negative, ">= 0 (0 disables)"),
     ("opd.extrapolation", _non_negative, ">= 0 (1 disables)"),
+    ("opd.teacher_devices", _non_negative, ">= 0 (0: the student's mesh)"),
     ("open_mopd.target_shares", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
     ("open_mopd.gap_statistic",

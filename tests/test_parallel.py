@@ -141,8 +141,9 @@ def test_sharded_state_step_and_generation_match_one_device(shape,
 
 def test_cli_mopd_with_two_teachers_on_a_sharded_mesh(smoke_run, tmp_path,
                                                       data_dir, cached_env):
-  """Student and teachers (the smoke base: one kv head, so kv stays
-  replicated) sharded over data=2 x fsdp=2 x tensor=2."""
+  """The student (the smoke base: one kv head, so kv stays replicated)
+  sharded over data=2 x fsdp=2 x tensor=2, its two teachers on a sub-mesh
+  of 4 devices, with the full-vocabulary KL loss."""
   base = smoke_run[0]
   run = tmp_path / "mopd"
   result = subprocess.run(
@@ -152,7 +153,8 @@ def test_cli_mopd_with_two_teachers_on_a_sharded_mesh(smoke_run, tmp_path,
        "--config.data.domains=('add','sort')", "--config.eval.domains=('add',)",
        f"--config.data.data_dir={data_dir}", "--config.train.steps=2",
        "--config.eval.greedy=False", "--config.mesh.fsdp=2",
-       "--config.mesh.tensor=2"],
+       "--config.mesh.tensor=2", "--config.opd.teacher_devices=4",
+       "--config.opd.loss=kl"],
       capture_output=True, text=True, timeout=300, cwd=ROOT,
       env=dict(cached_env, PYTHONPATH=ROOT))
   assert result.returncode == 0, result.stderr[-3000:]

@@ -95,6 +95,20 @@ def load_teachers(dirs: dict[str, str], tokenizer, mesh, with_init: bool
   return teachers
 
 
+def teacher_mesh(mesh, devices: int):
+  """Where the teachers live: the student's ``mesh`` (``devices=0``) or a
+  sub-mesh of its last ``devices`` devices, parameters sharded over them
+  (``fsdp``) and scoring batches split across them."""
+  if not devices:
+    return mesh
+  pool = list(mesh.devices.flat)
+  if devices > len(pool):
+    raise ConfigError(f"opd.teacher_devices: {devices} exceeds the"
+                      f" {len(pool)} devices of the mesh")
+  return parallel.make_mesh(data=1, fsdp=devices, tensor=1,
+                            devices=pool[-devices:])
+
+
 class Router(Protocol):
   """Assigns every sample to one teacher."""
 

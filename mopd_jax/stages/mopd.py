@@ -169,8 +169,9 @@ def run(config, workdir: str):
   common.check_divisible(mesh, batch // rl_cfg.minibatches, "rl.minibatches")
   names = tuple(config.data.domains)
   base = mixture.base_weights(names, config.data.weights)
+  teacher_mesh = mopd.teacher_mesh(mesh, opd_cfg.teacher_devices)
   teachers = mopd.load_teachers(mopd.parse_teachers(config.teachers, names),
-                                tokenizer, mesh,
+                                tokenizer, teacher_mesh,
                                 with_init=opd_cfg.proxy_teacher)
   test_sets = common.eval_sets(config, config.eval.domains)
   sampling = config_lib.sampling_config(config.sampling, tokenizer)
@@ -181,8 +182,9 @@ def run(config, workdir: str):
                 or opd_cfg.proxy_teacher)
   # A copy: the student's own buffers are donated to every update.
   base_params = jax.tree.map(jnp.copy, params) if needs_base else None
-  student_init = (mopd.Model(model_cfg, base_params)
-                  if opd_cfg.proxy_teacher else None)
+  student_init = (mopd.Model(model_cfg, common.load_params(
+      config.init, model_cfg, teacher_mesh)) if opd_cfg.proxy_teacher
+                  else None)
   wide = full_vocabulary(opd_cfg)
   ops = config_lib.op_options(config)
   scorers, teacher_params, teacher_cfgs = [], [], []
@@ -193,8 +195,10 @@ def run(config, workdir: str):
     scorers.append(mopd.make_scorer(teacher_cfgs[-1], signs,
                                     opd_cfg.entropy_threshold > 0, wide,
                                     tuple(ops.items())))
-  teacher_w = (stacked_unembeddings(teacher_params, teacher_cfgs) if wide
-               else jnp.zeros((len(teachers), 1, 1)))
+  # The loss reads the teachers' unembeddings on the student's mesh.
+  teacher_w = jax.device_put(
+      stacked_unembeddings(teacher_params, teacher_cfgs) if wide
+      else jnp.zeros((len(teachers), 1, 1)), parallel.replicated(mesh))
   hidden_width = int(teacher_w.shape[1]) if wide else 0
 
   optimizer = training.make_optimizer(config.optim, config.train.steps)
@@ -221,8 +225,8 @@ def run(config, workdir: str):
     data, _ = rl.rollout_batch(rollout, prompt, prompt_mask, rewards, rl_cfg)
     seq_ids = np.repeat(ids, rl_cfg.group_size)
     teacher_ids = router.route(seq_ids)
-    data.update(mopd.score(scorers, teacher_params, teacher_ids, data, mesh,
-                           hidden_width))
+    data.update(mopd.score(scorers, teacher_params, teacher_ids, data,
+                           teacher_mesh, hidden_width))
     data["teacher_id"] = teacher_ids.astype(np.int32)
     rollouts.add_policy_inputs(data, state["params"], base_params)
 
