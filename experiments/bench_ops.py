@@ -18,25 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mopd_jax.ops import vocab
 from mopd_jax.ops import vocab_naive as naive
-
-
-def timed(fn, repeats: int) -> float:
-  """Median seconds of ``fn()`` (which must block) over ``repeats`` calls."""
-  fn()  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+from mopd_jax.timing import timed
 
 
 def losses(args):

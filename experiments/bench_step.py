@@ -13,7 +13,6 @@ Prints, all measured in this one process:
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,17 +24,7 @@ from mopd_jax.models.config import PRESETS, ModelConfig
 from mopd_jax.objectives.sft import sft_loss
 from mopd_jax.rollout import sampler
 from mopd_jax.training import make_optimizer, init_state
-
-
-def timed(fn, repeats: int) -> float:
-  """Median seconds of ``fn()`` (which must block) over ``repeats`` calls."""
-  fn()  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+from mopd_jax.timing import timed
 
 
 def matmul_peak(n: int = 2048) -> float:
