@@ -249,11 +249,12 @@ def run(config, workdir: str):
     new_state = dict(train, step=state["step"] + 1, gap=gap_state)
     rl.batch_metrics(pairs, names, seq_ids, data["mask"], rewards, weights)
     effective = loss_w * tokens
+    signal_sums = np.bincount(token_domain, weights=signal[mask],
+                              minlength=len(names))
     for d, name in enumerate(names):
-      mine = token_domain == d
       pairs[f"share/loss/{name}"] = (effective[d], effective.sum())
-      pairs[f"signal/{name}"] = (signal[mask][mine].sum(), mine.sum())
-      pairs[f"reverse_kl/{name}"] = (-signal[mask][mine].sum(), mine.sum())
+      pairs[f"signal/{name}"] = (signal_sums[d], tokens[d])
+      pairs[f"reverse_kl/{name}"] = (-signal_sums[d], tokens[d])
       pairs[f"gap/{name}"] = (gap_state["signal"][d], 1.0)
       pairs[f"loss_weight/{name}"] = (loss_w[d], 1.0)
     return new_state, pairs
