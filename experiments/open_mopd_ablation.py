@@ -3,11 +3,12 @@
     python experiments/open_mopd_ablation.py --base=runs/base \
         --teachers='runs/expert_{domain}' --out=runs/ablation [--steps=200] \
         [--variants=plain,token_share,gap_budget,reward_refresh,all] \
-        [--config_variant=:smoke] [-- --config.data.data_dir=...]
+        [--config_variant=:smoke] [--jobs=1] [-- --config.x=y ...]
 
 Each variant is an ordinary ``python -m mopd_jax.train`` run under
 ``<out>/<variant>`` (re-running resumes unfinished ones and skips finished
-ones). Then writes ``<out>/ablation.md`` and ``<out>/ablation.json``: per
+ones; with ``--jobs`` > 1 that many run at once, each printing to
+``<out>/<variant>.log``; arguments after ``--`` go to every run). Then writes ``<out>/ablation.md`` and ``<out>/ablation.json``: per
 domain and on average, the headroom recovery
 ``(acc_student - acc_base) / (acc_oracle - acc_base)`` of every variant,
 greedy and sampled, with the oracle ensemble = each domain's own expert.
@@ -16,6 +17,7 @@ greedy and sampled, with the oracle ensemble = each domain's own expert.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -31,6 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train(variant: str, args, extra) -> str:
+  """Trains (or resumes, or skips if finished) one variant's run; returns
+  its workdir."""
   workdir = os.path.join(args.out, variant)
   cmd = [sys.executable, "-m", "mopd_jax.train",
          f"--config={ROOT}/configs/mopd.py{args.config_variant}",
@@ -39,7 +43,14 @@ def train(variant: str, args, extra) -> str:
          f"--config.train.steps={args.steps}"]
   cmd += [f"--config.open_mopd.{m}=True" for m in VARIANTS[variant]]
   print(f"== {variant}: {' '.join(cmd[1:])}", flush=True)
-  subprocess.run(cmd + list(extra), check=True)
+  if args.jobs == 1:
+    subprocess.run(cmd + list(extra), check=True)
+    return workdir
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, f"{variant}.log"), "a") as log:
+    if subprocess.run(cmd + list(extra), stdout=log,
+                      stderr=subprocess.STDOUT).returncode:
+      sys.exit(f"{variant}: training failed, see {log.name}")
   return workdir
 
 
@@ -63,18 +74,21 @@ def main(argv=None):
   parser.add_argument("--variants", default=",".join(VARIANTS))
   parser.add_argument("--config_variant", default="",
                       help="e.g. ':smoke' (configs/mopd.py variants)")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="variants trained at once")
   args, extra = parser.parse_known_args(argv)
   extra = [a for a in extra if a != "--"]
   domains = TRAIN_DOMAINS
   dirs = parse_teachers(args.teachers, domains)
-  results = {}
-  for variant in args.variants.split(","):
+  variants = args.variants.split(",")
+  for variant in variants:
     if variant not in VARIANTS:
       parser.error(f"--variants: unknown {variant!r}; known: "
                    + ", ".join(VARIANTS))
-    workdir = train(variant, args, extra)
-    results[variant] = headroom.report(headroom.final_scalars(workdir),
-                                       args.base, dirs)
+  with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+    workdirs = list(pool.map(lambda v: train(v, args, extra), variants))
+  results = {v: headroom.report(headroom.final_scalars(w), args.base, dirs)
+             for v, w in zip(variants, workdirs)}
   report = "\n\n".join(
       [f"# Open-MOPD ablation ({args.steps} steps)",
        "Headroom recovery, greedy decoding:", table(results, domains,

@@ -152,6 +152,8 @@ def _mopd(c: ml_collections.ConfigDict) -> None:
   c.open_mopd = ml_collections.ConfigDict(dict(
       token_share=False,  # weight d by target_share_d / token_share_d
       target_shares=(),  # empty: uniform over domains
+      # (target / share)^power: 1 balances fully, 0.5 part of the way
+      token_share_power=1.0,
       gap_budget=False,  # weight d by clip((gap_d / ref)^alpha, lo, hi)
       gap_statistic="abs_signal",  # | reverse_kl | sequence_kl
       gap_alpha=1.0,

@@ -216,18 +216,22 @@ def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
   return out
 
 
-def token_share_weights(tokens: np.ndarray, targets: np.ndarray
-                        ) -> np.ndarray:
-  """Token-share balancing: ``w_d = target_d / share_d`` with ``share_d``
-  the fraction of the batch's tokens from domain ``d``, targets renormalised
-  over the domains present, so that ``sum_d share_d w_d = 1`` (the
-  token-weighted mean weight is 1). Absent domains get 0."""
+def token_share_weights(tokens: np.ndarray, targets: np.ndarray,
+                        power: float = 1.0) -> np.ndarray:
+  """Token-share balancing: ``w_d = (target_d / share_d)^power / Z`` with
+  ``share_d`` the fraction of the batch's tokens from domain ``d``, targets
+  renormalised over the domains present and ``Z`` chosen so that
+  ``sum_d share_d w_d = 1`` (the token-weighted mean weight is 1). Power 1
+  is exact balancing (each domain's share of the loss is its target); below
+  1 it moves each share only part of the way. Absent domains get 0."""
   tokens = np.asarray(tokens, np.float64)
   present = tokens > 0
   share = tokens / max(tokens.sum(), 1e-12)
   target = np.where(present, np.asarray(targets, np.float64), 0.0)
   target = target / max(target.sum(), 1e-12)
-  return np.where(present, target / np.where(present, share, 1.0), 0.0)
+  w = np.where(present, (target / np.where(present, share, 1.0)) ** power,
+               0.0)
+  return normalise_by_tokens(w, tokens)
 
 
 def gap_factors(gap: np.ndarray, seen: np.ndarray, base: np.ndarray,

@@ -136,7 +136,8 @@ def domain_loss_weights(tokens: np.ndarray, gap_f: np.ndarray, om,
   w = np.ones(num_domains)
   if om.token_share:
     w = w * mopd.token_share_weights(
-        tokens, mixture.base_weights(range(num_domains), om.target_shares))
+        tokens, mixture.base_weights(range(num_domains), om.target_shares),
+        om.token_share_power)
   if om.gap_budget and om.gap_steers in ("loss", "both"):
     w = w * gap_f
   return mopd.normalise_by_tokens(w, tokens)

@@ -83,6 +83,20 @@ def test_token_share_weights_hand_computed():
   np.testing.assert_allclose(w, [1.5, 0.5])
 
 
+def test_token_share_power_moves_shares_part_way():
+  tokens = np.array([100, 300, 0, 600])
+  w = mopd.token_share_weights(tokens, np.ones(4), power=0.5)
+  raw = np.sqrt([1 / 3 / 0.1, 1 / 3 / 0.3, 0.0, 1 / 3 / 0.6])
+  np.testing.assert_allclose(w, raw / np.sum(raw * tokens / 1000), rtol=1e-9)
+  loss_share = w * tokens / 1000
+  assert np.isclose(loss_share.sum(), 1.0)
+  # the smallest domain's loss share lies between its token share and target
+  assert 0.1 < loss_share[0] < 1 / 3
+  np.testing.assert_allclose(
+      mopd.token_share_weights(tokens, np.ones(4), power=0.0),
+      [1.0, 1.0, 0.0, 1.0])
+
+
 def test_gap_factors_hand_computed():
   gap = np.array([0.2, 0.4, 0.1, 0.0])
   seen = np.array([True, True, True, False])
