@@ -113,7 +113,7 @@ def defaults(method: str) -> ml_collections.ConfigDict:
         adaptive=False, exploration=0.5, floor=0.05, momentum=0.9))
   if method == "mopd":
     _mopd(c)
-  # The fused vocabulary ops of every loss: auto (Pallas on GPU/TPU, XLA
+  # The fused vocabulary ops of every loss: auto (Pallas on TPU, XLA
   # elsewhere) | xla | pallas; block_v: vocabulary tile (0: the op's default).
   c.ops = ml_collections.ConfigDict(dict(impl="auto", block_v=0))
   # Device mesh (one size may be -1: the rest of the devices) and the

@@ -17,8 +17,9 @@ Conventions shared by all ops:
   have the dtypes of ``h`` and ``w``;
 * ``impl``: ``"xla"`` (chunked ``lax.fori_loop``, the reference everywhere),
   ``"pallas"`` (kernels in ``vocab_pallas``: Triton on GPU, Mosaic on TPU,
-  the Pallas interpreter on CPU, for tests) or ``"auto"`` (Pallas on GPU and
-  TPU, XLA otherwise). ``block_v`` (vocabulary tile) and ``block_n`` (row
+  the Pallas interpreter on CPU, for tests) or ``"auto"`` (Pallas on TPU,
+  XLA otherwise: on an H200 the XLA path ran at 1.3-1.7x the naive time,
+  the Triton kernels at 1.8-23x). ``block_v`` (vocabulary tile) and ``block_n`` (row
   block, Pallas only) default per implementation; Pallas blocks must be
   powers of two on GPU and ``(8, 128)``-aligned on TPU.
 """
@@ -58,9 +59,9 @@ class _Config(NamedTuple):
 
 
 def resolve_impl(impl: str) -> str:
-  """``"auto"`` -> ``"pallas"`` on GPU and TPU, ``"xla"`` anywhere else."""
+  """``"auto"`` -> ``"pallas"`` on TPU, ``"xla"`` anywhere else."""
   if impl == "auto":
-    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    return "pallas" if jax.default_backend() == "tpu" else "xla"
   if impl not in ("xla", "pallas"):
     raise ValueError(f"impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
   return impl

@@ -14,9 +14,10 @@ Two layouts of that reduction, chosen by the backend:
   loops over the inner axis with ``fori_loop``, slicing the whole operand in
   global memory; GPU programs run concurrently, so a reduction may not span
   grid steps. Triton needs power-of-two blocks (>= 16 for ``dot``), hence
-  ``d`` is zero-padded to a power of two (in both layouts); a
-  ``[block_n, d]`` hidden block stays resident, which suits ``d`` up to about
-  1024 (lower ``block_n`` beyond).
+  ``d`` is zero-padded to a power of two (in both layouts); ``[block, d]``
+  tiles stay resident, so default blocks shrink as ``d`` grows (see
+  ``_geometry``). Correct on an H200 (the ops tests pass with the real
+  kernels) but slower than the XLA path there.
 * ``"grid"`` (TPU/Mosaic): the inner axis is the second, sequential
   (``"arbitrary"``) grid axis; the output block stays resident in VMEM across
   it and is initialised at its first step. Blocks are ``(8, 128)``-aligned.
@@ -40,6 +41,7 @@ from jax.experimental.pallas import triton as pltriton
 from mopd_jax.ops import vocab_tiles as tiles
 
 BLOCKS = {"loop": (64, 128), "grid": (256, 512)}  # (block_n, block_v)
+TRITON_TILE_BYTES = 64 * 1024
 
 
 class _Geometry(NamedTuple):
@@ -69,9 +71,22 @@ def default_layout() -> str:
   return "grid" if jax.default_backend() == "tpu" else "loop"
 
 
-def _geometry(n, v, block_n, block_v, layout, interpret) -> _Geometry:
+def _geometry(n, v, block_n, block_v, layout, interpret,
+              widths) -> _Geometry:
+  """Tiles of a kernel whose hidden operands have ``widths`` (their ``d``).
+
+  Unset blocks of the GPU layout shrink with ``sum(d_pad)`` so that one
+  float32 ``[block, sum(d_pad)]`` tile stays within ``TRITON_TILE_BYTES``
+  (the kernels keep such tiles resident, and the H200's 227 KiB of shared
+  memory per block overflowed with the fixed blocks at d=512), never below
+  Triton's minimum of 16.
+  """
   layout = layout or default_layout()
   bn, bv = BLOCKS[layout]
+  if layout == "loop":
+    width = sum(pl.next_power_of_2(max(d, 16)) for d in widths)
+    cap = max(16, 1 << ((TRITON_TILE_BYTES // (4 * width)).bit_length() - 1))
+    bn, bv = min(bn, cap), min(bv, cap)
   return _Geometry(n, v, block_n or bn, block_v or bv, layout,
                    bool(interpret))
 
@@ -246,7 +261,8 @@ def lse_stats(h, w, *, scale, block_v=None, block_n=None, layout=None,
 
   ``layout`` defaults to ``default_layout()``, blocks to ``BLOCKS[layout]``.
   """
-  geo = _geometry(len(h), w.shape[1], block_n, block_v, layout, interpret)
+  geo = _geometry(len(h), w.shape[1], block_n, block_v, layout, interpret,
+                  (h.shape[1],))
 
   def step(j, row_blocks, col_blocks, stats):
     valid = geo.valid(j)
@@ -264,7 +280,8 @@ def lse_grads(h, w, lse, entropy, g_lse, g_entropy, *, scale, block_v=None,
 
   Row arrays are ``[N, 1]``; ``entropy`` and ``g_entropy`` may be None.
   """
-  geo = _geometry(len(h), w.shape[1], block_n, block_v, layout, interpret)
+  geo = _geometry(len(h), w.shape[1], block_n, block_v, layout, interpret,
+                  (h.shape[1],))
   with_entropy = entropy is not None
   stats = [lse, g_lse] + ([entropy, g_entropy] if with_entropy else [])
 
@@ -282,7 +299,8 @@ def lse_grads(h, w, lse, entropy, g_lse, g_entropy, *, scale, block_v=None,
 def kl_stats(hs, ws, ht, wt, *, scale, teacher_scale, block_v=None,
              block_n=None, layout=None, interpret=False):
   """``(lse_s, lse_t, KL(pi||T), KL(T||pi), H(T))`` per row, each ``[N, 1]``."""
-  geo = _geometry(len(hs), ws.shape[1], block_n, block_v, layout, interpret)
+  geo = _geometry(len(hs), ws.shape[1], block_n, block_v, layout, interpret,
+                  (hs.shape[1], ht.shape[1]))
 
   def step(j, row_blocks, col_blocks, stats):
     valid = geo.valid(j)
@@ -301,7 +319,8 @@ def kl_grads(hs, ws, ht, wt, lse_s, lse_t, reverse, g_reverse, g_forward, *,
              scale, teacher_scale, block_v=None, block_n=None, layout=None,
              interpret=False):
   """Float32 ``(dh_s, dw_s)`` from the cotangents of both KLs (teacher fixed)."""
-  geo = _geometry(len(hs), ws.shape[1], block_n, block_v, layout, interpret)
+  geo = _geometry(len(hs), ws.shape[1], block_n, block_v, layout, interpret,
+                  (hs.shape[1], ht.shape[1]))
 
   def cotangent(j, row_blocks, col_blocks):
     valid = geo.valid(j)
