@@ -19,9 +19,9 @@ Conventions shared by all ops:
   ``"pallas"`` (kernels in ``vocab_pallas``: Triton on GPU, Mosaic on TPU,
   the Pallas interpreter on CPU, for tests) or ``"auto"`` (Pallas on TPU,
   XLA otherwise: on an H200 the XLA path ran at 1.3-1.7x the naive time,
-  the Triton kernels at 1.8-23x). ``block_v`` (vocabulary tile) and ``block_n`` (row
-  block, Pallas only) default per implementation; Pallas blocks must be
-  powers of two on GPU and ``(8, 128)``-aligned on TPU.
+  the Triton kernels at 1.8-23x). ``block_v`` (vocabulary tile) and
+  ``block_n`` (row block, Pallas only) default per implementation; Pallas
+  blocks must be powers of two on GPU and ``(8, 128)``-aligned on TPU.
 """
 
 from __future__ import annotations
