@@ -47,7 +47,7 @@ import optax
 from mopd_jax import parallel, training
 from mopd_jax.models import decoder
 from mopd_jax.models.config import PRESETS, ModelConfig
-from mopd_jax.objectives.sft import sft_loss
+from mopd_jax.objectives.sft import make_train_step
 from mopd_jax.stages import common
 
 MODELS = ("tiny", "qwen7b")
@@ -146,14 +146,7 @@ def check() -> list[tuple[str, float, float]]:
   est = plan(cfg, dict(mesh.shape), 0, batch, batch, length, remat=False)
   optimizer = optax.adamw(1e-3)
 
-  def step(state, data):
-    def loss(p):
-      s, c = sft_loss(p, cfg, data)
-      return s / c
-    value, grads = jax.value_and_grad(loss)(state["params"])
-    params, opt_state, _ = training.guarded_update(
-        optimizer, value, grads, state["params"], state["opt_state"])
-    return dict(state, params=params, opt_state=opt_state), value
+  step = make_train_step(cfg, optimizer)
 
   tokens = np.ones((batch, length), np.int32)
   with parallel.activate(mesh):

@@ -20,7 +20,7 @@ from mopd_jax import config as config_lib
 from mopd_jax import metrics, parallel, training
 from mopd_jax.errors import ConfigError
 from mopd_jax.models.config import ModelConfig
-from mopd_jax.objectives.sft import sft_loss
+from mopd_jax.objectives.sft import make_train_step
 from mopd_jax.rollout import sampler
 from mopd_jax.stages import common
 
@@ -72,15 +72,7 @@ def _batch():
               loss_mask=np.ones((8, 12), np.int32))
 
 
-@jax.jit
-def _step(state, batch):
-  def loss(p):
-    s, c = sft_loss(p, CFG, batch)
-    return s / c
-  value, grads = jax.value_and_grad(loss)(state["params"])
-  params, opt_state, _ = training.guarded_update(
-      OPT, value, grads, state["params"], state["opt_state"])
-  return dict(params=params, opt_state=opt_state), value
+_step = jax.jit(make_train_step(CFG, OPT))
 
 
 def _run(mesh, params=None):
@@ -95,8 +87,9 @@ def _run(mesh, params=None):
     state = training.init_state(params, OPT)
     rollout = sampler.sample(state["params"], CFG, prompt,
                              np.ones_like(prompt), jax.random.key(0), GREEDY)
-    new, loss = _step(state, parallel.shard_batch(mesh, _batch()))
-  return state, new, float(loss), np.asarray(rollout.completion)
+    new, metrics = _step(state, parallel.shard_batch(mesh, _batch()))
+  total, count = metrics["loss"]
+  return state, new, float(total / count), np.asarray(rollout.completion)
 
 
 @pytest.fixture(scope="module")

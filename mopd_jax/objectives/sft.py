@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import optax
+
+from mopd_jax import training
 from mopd_jax.models import decoder
 from mopd_jax.ops import vocab
 from mopd_jax.reductions import masked_sum_count
@@ -21,3 +26,26 @@ def sft_loss(params, cfg, batch, ops: dict | None = None):
       h[:, :-1], decoder.output_weight(params, cfg).astype(h.dtype),
       batch["tokens"][:, 1:], mask=mask, **(ops or {}))
   return masked_sum_count(-logp, mask)
+
+
+def make_train_step(cfg, optimizer: optax.GradientTransformation,
+                    ops: dict | None = None):
+  """``step(state, batch) -> (state, metrics)``: one guarded AdamW update on
+  the token-mean SFT loss ``sum_t m_t (-log pi(y_t)) / sum_t m_t`` (not
+  jitted: callers choose donation and lowering). ``metrics`` holds
+  ``(sum, count)`` pairs: ``loss`` and ``training.SKIPPED``."""
+  def step(state, batch):
+    def loss_fn(params):
+      total, count = sft_loss(params, cfg, batch, ops)
+      return total / count, (total, count)
+
+    (loss, (total, count)), grads = jax.value_and_grad(
+        loss_fn, has_aux=True)(state["params"])
+    params, opt_state, skipped = training.guarded_update(
+        optimizer, loss, grads, state["params"], state["opt_state"])
+    new_state = dict(state, params=params, opt_state=opt_state,
+                     step=state["step"] + 1)
+    return new_state, {"loss": (total, count),
+                       training.SKIPPED: (skipped, jnp.float32(1))}
+
+  return step

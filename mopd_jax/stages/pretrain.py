@@ -7,16 +7,13 @@ resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mopd_jax import config as config_lib
 from mopd_jax import parallel, training
 from mopd_jax.data import batching, mixture
-from mopd_jax.objectives.sft import sft_loss
+from mopd_jax.objectives.sft import make_train_step
 from mopd_jax.stages import common
 
 
@@ -47,20 +44,8 @@ def run(config, workdir: str):
     state = training.init_state(
         common.init_params(model_cfg, mesh, config.seed), optimizer)
 
-  @functools.partial(jax.jit, donate_argnums=0)
-  def train_step(state, batch):
-    def loss_fn(params):
-      total, count = sft_loss(params, model_cfg, batch, ops)
-      return total / count, (total, count)
-
-    (loss, (total, count)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(state["params"])
-    params, opt_state, skipped = training.guarded_update(
-        optimizer, loss, grads, state["params"], state["opt_state"])
-    new_state = dict(params=params, opt_state=opt_state,
-                     step=state["step"] + 1)
-    return new_state, {"loss": (total, count),
-                       training.SKIPPED: (skipped, jnp.float32(1))}
+  train_step = jax.jit(make_train_step(model_cfg, optimizer, ops),
+                       donate_argnums=0)
 
   sources = [train_sets[d] for d in config.data.domains]
 
