@@ -139,3 +139,25 @@ def test_kernels_lower_for_accelerators(layout, platform):
         lowering_platforms=(platform,)).as_text()
   target = "xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
   assert text.count(target) == 8  # 2 forward kernels, 3 x (dh, dw)
+
+
+def test_gpu_tiles_shrink_with_the_hidden_width():
+  """Default Triton tiles keep a float32 [block, sum(d_pad)] tile within
+  TRITON_TILE_BYTES (fixed 64 x 128 blocks overflowed an H200's shared
+  memory at d=512); explicit blocks and the TPU layout are left alone."""
+  def blocks(widths, layout="loop", **kw):
+    g = vocab_pallas._geometry(100, 1000, kw.get("bn"), kw.get("bv"), layout,
+                               False, widths)
+    return g.bn, g.bv
+
+  assert blocks((128,)) == vocab_pallas.BLOCKS["loop"]
+  assert blocks((48,)) == vocab_pallas.BLOCKS["loop"]
+  assert blocks((512,)) == (32, 32)
+  assert blocks((512, 300)) == (16, 16)
+  assert blocks((8192,)) == (16, 16)
+  for widths in [(128,), (256,), (512,), (512, 512)]:
+    bn, bv = blocks(widths)
+    width = sum(max(16, 1 << (d - 1).bit_length()) for d in widths)
+    assert max(bn, bv) * width * 4 <= vocab_pallas.TRITON_TILE_BYTES
+  assert blocks((512,), bn=64, bv=128) == (64, 128)
+  assert blocks((8192,), layout="grid") == vocab_pallas.BLOCKS["grid"]
