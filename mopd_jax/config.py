@@ -257,6 +257,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("opd.teacher_devices", _non_negative, ">= 0 (0: the student's mesh)"),
     ("open_mopd.target_shares", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
+    ("open_mopd.token_share_power", _non_negative, ">= 0 (1: exact)"),
     ("open_mopd.gap_statistic",
      lambda v: v in ("abs_signal", "reverse_kl", "sequence_kl"),
      "abs_signal, reverse_kl or sequence_kl"),

@@ -139,3 +139,19 @@ def test_mix_rl_floor_and_weights_are_checked():
   cfg.data.weights = (1.0, 1.0)
   with pytest.raises(ConfigError, match=r"^data\.weights:"):
     config_lib.validate(cfg)
+
+
+def test_open_mopd_variant_validates_and_power_is_checked():
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  try:
+    import mopd  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.pop(0)
+  cfg = mopd.get_config("open")
+  cfg.update(teachers="runs/expert_{domain}", init="runs/base")
+  om = config_lib.validate(cfg).open_mopd
+  assert om.token_share and om.gap_budget and om.reward_refresh
+  assert om.token_share_power == 0.5 and om.gap_statistic == "sequence_kl"
+  cfg.open_mopd.token_share_power = -1.0
+  with pytest.raises(ConfigError, match=r"^open_mopd\.token_share_power:"):
+    config_lib.validate(cfg)
