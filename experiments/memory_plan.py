@@ -22,8 +22,8 @@ dimension leaves it replicated):
   (queries, attention output) ``+ 2 K d_h`` (keys, values) ``+ 3 F``
   (gate, up, SwiGLU) elements of ``dtype``, plus ``2 H T`` float32 scores
   and probabilities (the decoder materialises attention); times ``L``. With
-  ``--remat`` (per-layer rematerialisation, which the decoder does not do
-  yet): ``L D`` per token plus one layer's full set. The vocabulary ops
+  ``--remat`` (per-layer rematerialisation, ``model.remat``): ``L D`` per
+  token plus one layer's full set. The vocabulary ops
   never hold ``[tokens, V]`` logits and are left out.
 
 ``--check`` compiles the tiny model's train step and the sampler's cache

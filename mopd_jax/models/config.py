@@ -11,7 +11,9 @@ class ModelConfig:
 
   ``qk_norm`` is Qwen3's per-head RMSNorm on queries and keys, ``attention_bias``
   is Qwen2's bias on the q/k/v projections, ``tie_embeddings`` reuses the input
-  embedding as the output projection.
+  embedding as the output projection. ``remat`` recomputes each layer's
+  activations in the backward pass instead of keeping them (memory for
+  compute; values and gradients unchanged).
   """
   vocab_size: int = 58
   embed_dim: int = 128
@@ -27,6 +29,7 @@ class ModelConfig:
   attention_bias: bool = False
   dtype: str = "float32"
   param_dtype: str = "float32"
+  remat: bool = False
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:

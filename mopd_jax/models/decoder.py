@@ -244,6 +244,9 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
     x, kv = _layer(cfg, x, p, positions, mask, kv, index)
     return x, kv
 
+  if cfg.remat:
+    # Keeps only each layer's input for the backward pass.
+    body = jax.checkpoint(body, prevent_cse=False)
   kv_in = None if cache is None else (cache.k, cache.v)
   x, kv = jax.lax.scan(body, x, (params["layers"], kv_in))
   x = rms_norm(x, params["final_norm"], cfg.norm_eps)
