@@ -199,9 +199,14 @@ def _train(*args, env=None):
 
 
 @pytest.mark.parametrize("extra", [
-    ("--config.open_mopd.token_share=True", "--config.open_mopd.gap_budget=True",
+    ("--config.opd.loss=pg", "--config.open_mopd.token_share=True",
+     "--config.open_mopd.gap_budget=True",
      "--config.open_mopd.reward_refresh=True",
      "--config.open_mopd.gap_steers=both"),
+    ("--config.open_mopd.token_share=True",
+     "--config.open_mopd.token_share_power=0.5",
+     "--config.open_mopd.gap_budget=True",
+     "--config.open_mopd.gap_statistic=sequence_kl"),
     ("--config.opd.loss=topk", "--config.opd.entropy_threshold=0.5",
      "--config.opd.gate=True", "--config.opd.lambda_orm=0.5")])
 def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
