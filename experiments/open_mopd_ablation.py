@@ -8,8 +8,9 @@
 Each variant is an ordinary ``python -m mopd_jax.train`` run under
 ``<out>/<variant>`` (re-running resumes unfinished ones and skips finished
 ones; with ``--jobs`` > 1 that many run at once, each printing to
-``<out>/<variant>.log``; arguments after ``--`` go to every run). Then writes ``<out>/ablation.md`` and ``<out>/ablation.json``: per
-domain and on average, the headroom recovery
+``<out>/<variant>.log``; arguments after ``--`` go to every run). Then
+writes ``<out>/ablation.md`` and ``<out>/ablation.json``: per domain and on
+average, the headroom recovery
 ``(acc_student - acc_base) / (acc_oracle - acc_base)`` of every variant,
 greedy and sampled, with the oracle ensemble = each domain's own expert.
 """
