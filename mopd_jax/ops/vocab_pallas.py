@@ -84,7 +84,7 @@ def _geometry(n, v, block_n, block_v, layout, interpret,
   layout = layout or default_layout()
   bn, bv = BLOCKS[layout]
   if layout == "loop":
-    width = sum(pl.next_power_of_2(max(d, 16)) for d in widths)
+    width = sum(_padded_width(d) for d in widths)
     cap = max(16, 1 << ((TRITON_TILE_BYTES // (4 * width)).bit_length() - 1))
     bn, bv = min(bn, cap), min(bv, cap)
   return _Geometry(n, v, block_n or bn, block_v or bv, layout,
@@ -97,15 +97,18 @@ def _pad(x, axis, size):
   return jnp.pad(x, widths)
 
 
+def _padded_width(d: int) -> int:
+  """``d`` rounded up to a power of two >= 16 (Triton's ``dot``)."""
+  return pl.next_power_of_2(max(d, 16))
+
+
 def _hidden(h, geo):
-  """``h`` padded to ``[n_pad, d_pad]``, ``d_pad`` a power of two >= 16."""
-  d_pad = pl.next_power_of_2(max(h.shape[1], 16))
-  return _pad(_pad(h, 0, geo.n_pad), 1, d_pad)
+  """``h`` padded to ``[n_pad, d_pad]``, ``d_pad = _padded_width(d)``."""
+  return _pad(_pad(h, 0, geo.n_pad), 1, _padded_width(h.shape[1]))
 
 
 def _unembedding(w, geo):
-  d_pad = pl.next_power_of_2(max(w.shape[0], 16))
-  return _pad(_pad(w, 0, d_pad), 1, geo.v_pad)
+  return _pad(_pad(w, 0, _padded_width(w.shape[0])), 1, geo.v_pad)
 
 
 def _row_stat(x, geo):
@@ -259,7 +262,8 @@ def lse_stats(h, w, *, scale, block_v=None, block_n=None, layout=None,
               interpret=False):
   """``(lse, entropy)`` of each row of ``z = scale * h @ w``, each ``[N, 1]``.
 
-  ``layout`` defaults to ``default_layout()``, blocks to ``BLOCKS[layout]``.
+  ``layout`` defaults to ``default_layout()``, blocks to ``BLOCKS[layout]``
+  (smaller for a wide ``d`` on GPU: ``_geometry``).
   """
   geo = _geometry(len(h), w.shape[1], block_n, block_v, layout, interpret,
                   (h.shape[1],))
