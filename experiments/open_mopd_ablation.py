@@ -3,7 +3,8 @@
     python experiments/open_mopd_ablation.py --base=runs/base \
         --teachers='runs/expert_{domain}' --out=runs/ablation [--steps=200] \
         [--variants=plain,token_share,gap_budget,reward_refresh,all] \
-        [--config_variant=:smoke] [--jobs=1] [-- --config.x=y ...]
+        [--config_variant=:smoke] [--jobs=1] [--eval_prompts=960] \
+        [-- --config.x=y ...]
 
 Each variant is an ordinary ``python -m mopd_jax.train`` run under
 ``<out>/<variant>`` (re-running resumes unfinished ones and skips finished
@@ -13,6 +14,10 @@ writes ``<out>/ablation.md`` and ``<out>/ablation.json``: per domain and on
 average, the headroom recovery
 ``(acc_student - acc_base) / (acc_oracle - acc_base)`` of every variant,
 greedy and sampled, with the oracle ensemble = each domain's own expert.
+With ``--eval_prompts=N`` the base, the experts and every variant are
+first evaluated on ``N`` test prompts per domain (``mopd_jax.evaluate``,
+kept as ``eval_<N>.json`` in each run, done once) instead of the runs' own
+256: a standard error of 1.6 points instead of 3.1 near 50% accuracy.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import subprocess
 import sys
 
 from mopd_jax.data.domains import TRAIN_DOMAINS
+from mopd_jax.evaluate import evaluate_run, output_path
 from mopd_jax.evaluation import headroom
 from mopd_jax.fusion.mopd import parse_teachers
 from mopd_jax.atomic import write_json_atomic, write_text_atomic
@@ -77,6 +83,9 @@ def main(argv=None):
                       help="e.g. ':smoke' (configs/mopd.py variants)")
   parser.add_argument("--jobs", type=int, default=1,
                       help="variants trained at once")
+  parser.add_argument("--eval_prompts", type=int, default=0,
+                      help="N > 0: evaluate every run on N test prompts per"
+                      " domain (0: use the runs' own final evaluation)")
   args, extra = parser.parse_known_args(argv)
   extra = [a for a in extra if a != "--"]
   domains = TRAIN_DOMAINS
@@ -88,10 +97,17 @@ def main(argv=None):
                    + ", ".join(VARIANTS))
   with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
     workdirs = list(pool.map(lambda v: train(v, args, extra), variants))
-  results = {v: headroom.report(headroom.final_scalars(w), args.base, dirs)
+  eval_file = headroom.EVAL_FILE
+  if args.eval_prompts:
+    eval_file = os.path.basename(output_path("", args.eval_prompts))
+    for run in dict.fromkeys([args.base, *dirs.values(), *workdirs]):
+      if not os.path.exists(os.path.join(run, eval_file)):
+        evaluate_run(run, args.eval_prompts, TRAIN_DOMAINS)
+  results = {v: headroom.report(headroom.final_scalars(w, eval_file),
+                                args.base, dirs, eval_file)
              for v, w in zip(variants, workdirs)}
   report = "\n\n".join(
-      [f"# Open-MOPD ablation ({args.steps} steps)",
+      [f"# Open-MOPD ablation ({args.steps} steps, {eval_file})",
        "Headroom recovery, greedy decoding:", table(results, domains,
                                                     "greedy"),
        "Headroom recovery, temperature 1:", table(results, domains,

@@ -5,6 +5,14 @@ Anything raised as a ``UserError`` is a problem with what the user gave us
 prints it without a traceback.
 """
 
+import sys
+
+
+def fail(message: str) -> None:
+  """Print ``error: message`` on stderr and exit with code 2."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
 
 class UserError(Exception):
   """A problem with the user's input; the message names the file/line/field."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import sys
 
 import jax
 from absl import app, flags, logging
@@ -17,7 +16,7 @@ from ml_collections import config_flags
 
 from mopd_jax import config as config_lib
 from mopd_jax import parallel
-from mopd_jax.errors import UserError
+from mopd_jax.errors import UserError, fail
 from mopd_jax.stages.common import (check_resumable, resolve_model,
                                     save_run_config)
 
@@ -31,11 +30,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 # method -> module with ``run(config, workdir)``
 STAGES = {"pretrain": "mopd_jax.stages.pretrain", "grpo": "mopd_jax.stages.rl",
           "mix_rl": "mopd_jax.stages.rl", "mopd": "mopd_jax.stages.mopd"}
-
-
-def _fail(message: str) -> None:
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(2)
 
 
 def prepare_workdir(workdir: str) -> str:
@@ -55,7 +49,7 @@ def prepare_workdir(workdir: str) -> str:
 
 def main(argv) -> None:
   if len(argv) > 1:
-    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    fail(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)  # keep library chatter off the bar
   try:
     config = config_lib.validate(_load_config())
@@ -68,7 +62,7 @@ def main(argv) -> None:
     with parallel.use_rules(config.mesh.rules):
       importlib.import_module(STAGES[config.method]).run(config, workdir)
   except UserError as e:
-    _fail(str(e))
+    fail(str(e))
 
 
 def _flag_error(error: Exception, argv) -> str:
@@ -92,7 +86,7 @@ def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except
-    _fail(_flag_error(e, argv))
+    fail(_flag_error(e, argv))
 
 
 def _load_config():

@@ -1,6 +1,7 @@
 """Headroom recovery: how much of the gap between the base and the
 domain-routed oracle ensemble a fused model closes, per domain and on
-average, from the ``eval.json`` files the stages write."""
+average, from the ``eval.json`` files the stages write (or the larger
+``eval_<N>.json`` of ``python -m mopd_jax.evaluate``: ``eval_file``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from collections.abc import Mapping
 from mopd_jax.errors import CheckpointError
 
 
-def final_scalars(run_dir: str) -> dict[str, float]:
+EVAL_FILE = "eval.json"
+
+
+def final_scalars(run_dir: str, eval_file: str = EVAL_FILE
+                  ) -> dict[str, float]:
   """The scalars of the final evaluation of the run in ``run_dir``."""
-  path = os.path.join(os.path.expanduser(run_dir), "eval.json")
+  path = os.path.join(os.path.expanduser(run_dir), eval_file)
   try:
     with open(path, encoding="utf-8") as f:
       return json.load(f)
@@ -21,10 +26,11 @@ def final_scalars(run_dir: str) -> dict[str, float]:
     raise CheckpointError(f"{path}: no final evaluation ({e})") from None
 
 
-def run_accuracies(run_dir: str, mode: str = "greedy") -> dict[str, float]:
+def run_accuracies(run_dir: str, mode: str = "greedy",
+                   eval_file: str = EVAL_FILE) -> dict[str, float]:
   """``{domain: accuracy}`` of the final evaluation of the run in
   ``run_dir`` (``mode``: greedy or sampled)."""
-  return accuracies(final_scalars(run_dir), mode)
+  return accuracies(final_scalars(run_dir, eval_file), mode)
 
 
 def accuracies(scalars: Mapping[str, float], mode: str = "greedy"
@@ -36,10 +42,11 @@ def accuracies(scalars: Mapping[str, float], mode: str = "greedy"
           if k.startswith(prefix) and k.endswith("/accuracy")}
 
 
-def oracle_accuracies(teacher_dirs: Mapping[str, str], mode: str = "greedy"
-                      ) -> dict[str, float]:
+def oracle_accuracies(teacher_dirs: Mapping[str, str], mode: str = "greedy",
+                      eval_file: str = EVAL_FILE) -> dict[str, float]:
   """The oracle ensemble: each domain answered by its own expert."""
-  return {d: run_accuracies(path, mode)[d] for d, path in teacher_dirs.items()}
+  return {d: run_accuracies(path, mode, eval_file)[d]
+          for d, path in teacher_dirs.items()}
 
 
 def headroom_recovery(student: Mapping[str, float], base: Mapping[str, float],
@@ -53,11 +60,12 @@ def headroom_recovery(student: Mapping[str, float], base: Mapping[str, float],
 
 
 def report(scalars: Mapping[str, float], base_dir: str,
-           teacher_dirs: Mapping[str, str]) -> dict:
+           teacher_dirs: Mapping[str, str], eval_file: str = EVAL_FILE
+           ) -> dict:
   """Headroom recovery of the evaluation ``scalars`` against the base run
-  and the oracle ensemble of ``teacher_dirs``, for greedy and sampled
-  decoding: ``{mode: {domain: recovery, "mean": ...}}``."""
-  return {mode: headroom_recovery(accuracies(scalars, mode),
-                                  run_accuracies(base_dir, mode),
-                                  oracle_accuracies(teacher_dirs, mode))
+  and the oracle ensemble of ``teacher_dirs`` (their ``eval_file``), for
+  greedy and sampled decoding: ``{mode: {domain: recovery, "mean": ...}}``."""
+  return {mode: headroom_recovery(
+      accuracies(scalars, mode), run_accuracies(base_dir, mode, eval_file),
+      oracle_accuracies(teacher_dirs, mode, eval_file))
           for mode in ("greedy", "sampled")}

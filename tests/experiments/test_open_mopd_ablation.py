@@ -1,8 +1,10 @@
 """The ablation script end to end on smoke runs: it trains the variants it
-is given and writes the headroom-recovery report."""
+is given, evaluates every run on ``--eval_prompts`` test prompts and writes
+the headroom-recovery report from those evaluations."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,14 +12,16 @@ from conftest import ROOT
 
 
 def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
-  base = smoke_run[0]
+  base = tmp_path / "base"  # a copy: the evaluation adds a file to it
+  shutil.copytree(smoke_run[0], base)
   teachers = ",".join(f"{d}={base}" for d in ("add", "chain", "instruct",
                                                 "sort"))
   out = tmp_path / "ablation"
   result = subprocess.run(
       [sys.executable, f"{ROOT}/experiments/open_mopd_ablation.py",
        f"--base={base}", f"--teachers={teachers}", f"--out={out}",
-       "--steps=2", "--variants=plain,all", "--jobs=2", "--config_variant=:smoke", "--",
+       "--steps=2", "--variants=plain,all", "--jobs=2",
+       "--config_variant=:smoke", "--eval_prompts=8", "--",
        f"--config.data.data_dir={data_dir}"],
       capture_output=True, text=True, timeout=300,
       # A script's own directory comes first on sys.path: point Python at
@@ -33,4 +37,7 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
   assert saved["open_mopd"]["token_share"] and saved["open_mopd"][
       "gap_budget"] and saved["open_mopd"]["reward_refresh"]
   assert not saved_plain["open_mopd"]["token_share"]
-  assert "| all |" in (out / "ablation.md").read_text()
+  report = (out / "ablation.md").read_text()
+  assert "| all |" in report and "eval_8.json" in report
+  for run in (base, out / "plain", out / "all"):
+    assert (run / "eval_8.json").exists(), run
