@@ -7,18 +7,24 @@ run's own ``eval.json``, so that the headroom report can read either. More
 prompts than the training-time evaluation narrow the noise of small
 differences: the standard error of an accuracy ``p`` over ``N`` prompts is
 ``sqrt(p (1 - p) / N)``, 3.1 points at ``p = 0.5`` and ``N = 256``, 1.6 at
-``N = 960``. The run's directory is only added to, never rewritten.
+``N = 960``. With ``--samples=n`` it also measures solution coverage:
+pass@k (``k`` = 1, 2, 4, ... n) from ``n`` samples of each prompt at the
+evaluation temperature, keys ``eval/pass@<k>/<domain>``. The run's
+directory is only added to, never rewritten.
 """
 
 from __future__ import annotations
 
 import os
 
+import jax
 from absl import app, flags, logging
 
+from mopd_jax import config as config_lib
 from mopd_jax import parallel, training
 from mopd_jax.data.domains import DOMAINS
 from mopd_jax.errors import ConfigError, UserError, fail
+from mopd_jax.evaluation import pass_at_k
 from mopd_jax.models.tokenizer import CharTokenizer
 from mopd_jax.stages import common
 
@@ -27,6 +33,8 @@ _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 960,
                                     "Test prompts per domain (`add` has 993).")
 _DOMAINS = flags.DEFINE_list("domains", list(DOMAINS),
                              "Domains to evaluate (comma-separated).")
+_SAMPLES = flags.DEFINE_integer("samples", 0, "n > 0: pass@k from n samples"
+                                " per prompt (0: no coverage measurement).")
 _OUTPUT = flags.DEFINE_string("output", "", "Where to write the scalars"
                               " (default: <run>/eval_<num_prompts>.json).")
 flags.mark_flags_as_required(["run"])
@@ -37,12 +45,15 @@ def output_path(run_dir: str, num_prompts: int, output: str = "") -> str:
                                 f"eval_{num_prompts}.json")
 
 
-def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = ""
-                 ) -> dict[str, float]:
+def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
+                 samples: int = 0) -> dict[str, float]:
   """Evaluate the final parameters of ``run_dir`` on ``num_prompts`` test
-  prompts of each of ``domains``; write and return the scalars."""
+  prompts of each of ``domains`` (and their pass@k from ``samples``
+  samples each when > 0); write and return the scalars."""
   if num_prompts <= 0:
     raise ConfigError(f"--num_prompts: {num_prompts} must be > 0")
+  if samples < 0:
+    raise ConfigError(f"--samples: {samples} must be >= 0")
   config = common.load_run_config(run_dir)
   common.check_same_tokens(run_dir, config, CharTokenizer(), "--run")
   config.data.eval_jsonl = ""
@@ -51,14 +62,35 @@ def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = ""
   tokenizer, model_cfg, mesh = common.setup(config)
   with parallel.use_rules(config.mesh.get("rules", parallel.DEFAULT_RULES)):
     params = common.load_params(run_dir, model_cfg, mesh)
-    eval_fn = common.make_eval_fn(config, model_cfg, tokenizer,
-                                  common.eval_sets(config, domains), mesh)
+    test = common.eval_sets(config, domains)
+    eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test, mesh)
     step = config.train.steps
     scalars = eval_fn({"params": params}, step)
+    if samples:
+      scalars.update(_coverage(config, params, model_cfg, tokenizer, test,
+                               mesh, samples))
   path = output_path(run_dir, num_prompts, output)
   training.write_json_atomic(path, {"step": step, **scalars})
   print(f"wrote {path}")
   return scalars
+
+
+def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):
+  sampling = config_lib.sampling_config(config.sampling, tokenizer,
+                                        temperature=config.eval.temperature)
+  subsets = {d: list(exs)[:config.eval.num_prompts] for d, exs in
+             test.items()}
+  with parallel.activate(mesh):
+    found = pass_at_k.coverage(
+        params, model_cfg, tokenizer, subsets, sampling,
+        jax.random.fold_in(jax.random.key(config.seed), 3),
+        config.eval.batch_size, config.data.max_prompt_len, samples)
+  print(f"\npass@k from {samples} samples per prompt:")
+  for domain, by_k in found.items():
+    print(f"  {domain:9s}" + "  ".join(f"@{k} {100 * v:.1f}%"
+                                       for k, v in by_k.items()))
+  return {f"eval/pass@{k}/{d}": v for d, by_k in found.items()
+          for k, v in by_k.items()}
 
 
 def main(argv) -> None:
@@ -67,7 +99,7 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)
   try:
     evaluate_run(_RUN.value, _NUM_PROMPTS.value, _DOMAINS.value,
-                 _OUTPUT.value)
+                 _OUTPUT.value, _SAMPLES.value)
   except UserError as e:
     fail(str(e))
 
