@@ -1,7 +1,6 @@
 import itertools
 
 import jax
-
 import numpy as np
 import pytest
 
