@@ -9,7 +9,8 @@
   hidden states) are scattered back into batch order.
 * ``token_share_weights``, ``gap_factors``, ``domain_weights``: the
   per-domain loss weights of token-share balancing and of the gap-aware
-  budget.
+  budget, whose state (``init_gap_state``, ``update_gap_state``,
+  ``remaining_gap``) is checkpointed with the run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mopd_jax import parallel
+from mopd_jax.data import mixture
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
@@ -246,6 +248,37 @@ def gap_factors(gap: np.ndarray, seen: np.ndarray, base: np.ndarray,
   w = np.where(seen, np.asarray(base, np.float64), 0.0)
   ref = float(np.sum(w * gap) / w.sum())
   return np.where(seen, np.clip((gap / ref) ** alpha, lo, hi), 1.0)
+
+
+def init_gap_state(num_domains: int) -> dict:
+  """Gap state: the running gap per domain (``signal``), the observations
+  behind it (``count``) and each domain's first observed gap
+  (``initial``)."""
+  return dict(mixture.init_state(num_domains),
+              initial=np.zeros(num_domains, np.float32))
+
+
+def update_gap_state(state: dict, domain_ids: np.ndarray, values: np.ndarray,
+                     momentum: float) -> dict:
+  """Fold one batch's gap observations into ``state``: an exponential
+  moving average per domain (``mixture.update_state``), and ``initial_d``
+  set from ``d``'s first batch."""
+  new = mixture.update_state(state, domain_ids, values, momentum)
+  first = (np.asarray(state["count"]) == 0) & (new["count"] > 0)
+  new["initial"] = np.where(first, new["signal"],
+                            state["initial"]).astype(np.float32)
+  return new
+
+
+def remaining_gap(state: dict, relative: bool) -> np.ndarray:
+  """The gap the budget compares across domains: the running gap ``g_d``,
+  or with ``relative`` the fraction still open, ``g_d / g_d(first batch)``
+  (how far each domain has converged, free of the domains' scales)."""
+  gap = np.asarray(state["signal"], np.float64)
+  if not relative:
+    return gap
+  return gap / np.maximum(np.abs(np.asarray(state["initial"], np.float64)),
+                          1e-12)
 
 
 def normalise_by_tokens(weights: np.ndarray, tokens: np.ndarray

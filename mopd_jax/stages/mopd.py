@@ -205,7 +205,7 @@ def run(config, workdir: str):
   optimizer = training.make_optimizer(config.optim, config.train.steps)
   with parallel.activate(mesh):
     state = training.init_state(params, optimizer)
-  state["gap"] = mixture.init_state(len(names))
+  state["gap"] = mopd.init_gap_state(len(names))
   update = rl.make_update(
       make_loss(model_cfg, sampling, rl_cfg, opd_cfg, om.reward_refresh, ops),
       optimizer)
@@ -213,8 +213,9 @@ def run(config, workdir: str):
   def gap_now(gap_state):
     if not om.gap_budget:
       return np.ones(len(names))
-    return mopd.gap_factors(gap_state["signal"], gap_state["count"] > 0, base,
-                            om.gap_alpha, om.gap_min, om.gap_max)
+    return mopd.gap_factors(mopd.remaining_gap(gap_state, om.gap_relative),
+                            gap_state["count"] > 0, base, om.gap_alpha,
+                            om.gap_min, om.gap_max)
 
   def step_fn(state, step):
     weights = base
@@ -234,7 +235,7 @@ def run(config, workdir: str):
     mask = data["mask"].astype(bool)
     signal = np.where(mask, data["teacher_logp"] - data["old_logp"], 0.0)
     token_domain = np.broadcast_to(seq_ids[:, None], mask.shape)[mask]
-    gap_state = mixture.update_state(
+    gap_state = mopd.update_gap_state(
         state["gap"], *mopd.gap_observations(signal, mask, seq_ids,
                                              om.gap_statistic),
         om.gap_momentum)

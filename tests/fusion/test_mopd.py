@@ -110,6 +110,21 @@ def test_gap_factors_hand_computed():
       np.ones(4))
 
 
+def test_gap_state_keeps_each_domains_first_gap():
+  state = mopd.init_gap_state(3)
+  state = mopd.update_gap_state(state, np.array([0, 0, 2]),
+                                np.array([1.0, 3.0, 0.5]), 0.5)
+  np.testing.assert_allclose(state["initial"], [2.0, 0.0, 0.5])
+  state = mopd.update_gap_state(state, np.array([0, 1]),
+                                np.array([1.0, 4.0]), 0.5)
+  np.testing.assert_allclose(state["signal"], [1.5, 4.0, 0.5])
+  np.testing.assert_allclose(state["initial"], [2.0, 4.0, 0.5])
+  np.testing.assert_allclose(mopd.remaining_gap(state, False),
+                             [1.5, 4.0, 0.5])
+  np.testing.assert_allclose(mopd.remaining_gap(state, True),
+                             [0.75, 1.0, 1.0])
+
+
 def test_normalise_by_tokens_and_gap_statistics():
   w = mopd.normalise_by_tokens(np.array([2.0, 1.0]), np.array([10, 30]))
   assert np.isclose((w * [10, 30]).sum() / 40, 1.0)

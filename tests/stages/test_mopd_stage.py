@@ -206,7 +206,8 @@ def _train(*args, env=None):
     ("--config.open_mopd.token_share=True",
      "--config.open_mopd.token_share_power=0.5",
      "--config.open_mopd.gap_budget=True",
-     "--config.open_mopd.gap_statistic=sequence_kl"),
+     "--config.open_mopd.gap_statistic=sequence_kl",
+     "--config.open_mopd.gap_relative=True"),
     ("--config.opd.loss=topk", "--config.opd.entropy_threshold=0.5",
      "--config.opd.gate=True", "--config.opd.lambda_orm=0.5")])
 def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
