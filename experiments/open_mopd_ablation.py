@@ -29,7 +29,7 @@ import subprocess
 import sys
 
 from mopd_jax.data.domains import TRAIN_DOMAINS
-from mopd_jax.evaluate import evaluate_run, output_path
+from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import headroom
 from mopd_jax.fusion.mopd import parse_teachers
 from mopd_jax.atomic import write_json_atomic, write_text_atomic
@@ -99,7 +99,7 @@ def main(argv=None):
     workdirs = list(pool.map(lambda v: train(v, args, extra), variants))
   eval_file = headroom.EVAL_FILE
   if args.eval_prompts:
-    eval_file = os.path.basename(output_path("", args.eval_prompts))
+    eval_file = eval_file_name(args.eval_prompts)
     for run in dict.fromkeys([args.base, *dirs.values(), *workdirs]):
       if not os.path.exists(os.path.join(run, eval_file)):
         evaluate_run(run, args.eval_prompts, TRAIN_DOMAINS)

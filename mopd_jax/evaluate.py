@@ -40,9 +40,13 @@ _OUTPUT = flags.DEFINE_string("output", "", "Where to write the scalars"
 flags.mark_flags_as_required(["run"])
 
 
+def eval_file_name(num_prompts: int) -> str:
+  return f"eval_{num_prompts}.json"
+
+
 def output_path(run_dir: str, num_prompts: int, output: str = "") -> str:
   return output or os.path.join(os.path.expanduser(run_dir),
-                                f"eval_{num_prompts}.json")
+                                eval_file_name(num_prompts))
 
 
 def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
@@ -62,7 +66,8 @@ def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
   tokenizer, model_cfg, mesh = common.setup(config)
   with parallel.use_rules(config.mesh.get("rules", parallel.DEFAULT_RULES)):
     params = common.load_params(run_dir, model_cfg, mesh)
-    test = common.eval_sets(config, domains)
+    test = {d: list(exs)[:num_prompts]
+            for d, exs in common.eval_sets(config, domains).items()}
     eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test, mesh)
     step = config.train.steps
     scalars = eval_fn({"params": params}, step)
@@ -78,11 +83,9 @@ def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
 def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):
   sampling = config_lib.sampling_config(config.sampling, tokenizer,
                                         temperature=config.eval.temperature)
-  subsets = {d: list(exs)[:config.eval.num_prompts] for d, exs in
-             test.items()}
   with parallel.activate(mesh):
     found = pass_at_k.coverage(
-        params, model_cfg, tokenizer, subsets, sampling,
+        params, model_cfg, tokenizer, test, sampling,
         jax.random.fold_in(jax.random.key(config.seed), 3),
         config.eval.batch_size, config.data.max_prompt_len, samples)
   print(f"\npass@k from {samples} samples per prompt:")
