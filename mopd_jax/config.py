@@ -108,6 +108,8 @@ def defaults(method: str) -> ml_collections.ConfigDict:
         tis_cap=0.0,  # truncated sampler/trainer importance weight; 0: off
         beta=0.0,  # KL-to-reference weight; 0: no reference forward at all
         kl_estimator="k3",  # k1 | k2 | k3
+        # weight of the entropy bonus -c H(pi) per token (keeps exploring)
+        entropy_coef=0.0,
         aggregation="token_mean",  # | seq_mean_token_mean | constant
         drop_equal_groups=False,
     ))
@@ -248,6 +250,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rl.tis_cap", _non_negative, ">= 0 (0 disables)"),
     ("rl.beta", _non_negative, ">= 0"),
     ("rl.kl_estimator", lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
+    ("rl.entropy_coef", _non_negative, ">= 0"),
     ("rl.aggregation",
      lambda v: v in ("token_mean", "seq_mean_token_mean", "constant"),
      "token_mean, seq_mean_token_mean or constant"),

@@ -35,10 +35,15 @@ def student_positions(params, cfg, mb: dict, temperature: float,
 
 def finish(per_token: jax.Array, clipped: jax.Array, stats: dict, mb: dict,
            rl, max_new_tokens: int, metrics: dict | None = None):
-  """``(loss, metrics)`` of a per-token loss: adds ``beta`` times the
-  ``rl.kl_estimator`` KL to the reference (``mb["ref_logp"]``), aggregates
-  over ``mask * keep`` by ``rl.aggregation``, and reports clip fraction,
-  entropy and the k3 drift from ``pi_old`` as ``(sum, count)`` pairs."""
+  """``(loss, metrics)`` of a per-token loss ``L_t``:
+
+  ``L_t + beta KL_t(pi || pi_ref) - entropy_coef H_t(pi)``
+
+  with ``KL_t`` the ``rl.kl_estimator`` of the KL to the reference
+  (``mb["ref_logp"]``) and ``H_t`` the policy's entropy at the position,
+  aggregated over ``mask * keep`` by ``rl.aggregation``; reports clip
+  fraction, entropy and the k3 drift from ``pi_old`` as ``(sum, count)``
+  pairs."""
   mask = mb["mask"] * mb["keep"][:, None]
   logp = stats["logp"]
   metrics = dict(metrics or {})
@@ -51,6 +56,8 @@ def finish(per_token: jax.Array, clipped: jax.Array, stats: dict, mb: dict,
     kl = grpo.kl_penalty(logp, mb["ref_logp"], rl.kl_estimator)
     per_token = per_token + rl.beta * kl
     metrics["kl"] = masked_sum_count(kl, mask)
+  if rl.entropy_coef > 0:
+    per_token = per_token - rl.entropy_coef * stats["entropy"]
   total, count = grpo.aggregate(per_token, mask, rl.aggregation,
                                 max_new_tokens)
   metrics["loss"] = (total, count)
