@@ -4,16 +4,19 @@
         --teachers='runs/expert_{domain}' --out=runs/ablation [--steps=200] \
         [--variants=plain,token_share,gap_budget,reward_refresh,all] \
         [--config_variant=:smoke] [--jobs=1] [--eval_prompts=960] \
-        [-- --config.x=y ...]
+        [--seeds=0,1,2] [-- --config.x=y ...]
 
-Each variant is an ordinary ``python -m mopd_jax.train`` run under
-``<out>/<variant>`` (re-running resumes unfinished ones and skips finished
-ones; with ``--jobs`` > 1 that many run at once, each printing to
-``<out>/<variant>.log``; arguments after ``--`` go to every run). Then
-writes ``<out>/ablation.md`` and ``<out>/ablation.json``: per domain and on
-average, the headroom recovery
+Each variant and seed is an ordinary ``python -m mopd_jax.train`` run under
+``<out>/<variant>`` (seed 0) or ``<out>/<variant>_seed<k>`` (re-running
+resumes unfinished ones and skips finished ones; with ``--jobs`` > 1 that
+many run at once, each printing to ``<out>/<run>.log``; arguments after
+``--`` go to every run). Then writes ``<out>/ablation.md`` and
+``<out>/ablation.json``: per domain and on average, the headroom recovery
 ``(acc_student - acc_base) / (acc_oracle - acc_base)`` of every variant,
-greedy and sampled, with the oracle ensemble = each domain's own expert.
+greedy and sampled, with the oracle ensemble = each domain's own expert;
+with several seeds, each cell is the mean over the seeds and the table adds
+the seeds' standard deviation of the four-domain mean (seed-to-seed spread
+is as large as the differences between variants at 200 steps).
 With ``--eval_prompts=N`` the base, the experts and every variant are
 first evaluated on ``N`` test prompts per domain (``mopd_jax.evaluate``,
 kept as ``eval_<N>.json`` in each run, done once) instead of the runs' own
@@ -28,6 +31,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import headroom
@@ -39,36 +44,56 @@ VARIANTS = {"plain": (), **{m: (m,) for m in MECHANISMS}, "all": MECHANISMS}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def train(variant: str, args, extra) -> str:
-  """Trains (or resumes, or skips if finished) one variant's run; returns
-  its workdir."""
-  workdir = os.path.join(args.out, variant)
+def run_name(variant: str, seed: int) -> str:
+  return variant if seed == 0 else f"{variant}_seed{seed}"
+
+
+def train(variant: str, seed: int, args, extra) -> str:
+  """Trains (or resumes, or skips if finished) one variant's run with
+  ``seed``; returns its workdir."""
+  name = run_name(variant, seed)
+  workdir = os.path.join(args.out, name)
   cmd = [sys.executable, "-m", "mopd_jax.train",
          f"--config={ROOT}/configs/mopd.py{args.config_variant}",
          f"--workdir={workdir}",
          f"--config.init={args.base}", f"--config.teachers={args.teachers}",
-         f"--config.train.steps={args.steps}"]
+         f"--config.train.steps={args.steps}", f"--config.seed={seed}"]
   cmd += [f"--config.open_mopd.{m}=True" for m in VARIANTS[variant]]
-  print(f"== {variant}: {' '.join(cmd[1:])}", flush=True)
+  print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
   if args.jobs == 1:
     subprocess.run(cmd + list(extra), check=True)
     return workdir
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, f"{variant}.log"), "a") as log:
+  with open(os.path.join(args.out, f"{name}.log"), "a") as log:
     if subprocess.run(cmd + list(extra), stdout=log,
                       stderr=subprocess.STDOUT).returncode:
-      sys.exit(f"{variant}: training failed, see {log.name}")
+      sys.exit(f"{name}: training failed, see {log.name}")
   return workdir
 
 
-def table(results: dict, domains, mode: str) -> str:
-  rows = [f"| variant | {' | '.join(domains)} | mean |",
-          "|---" * (len(domains) + 2) + "|"]
+def over_seeds(reports: list[dict]) -> dict:
+  """The seeds' reports averaged per mode and domain, with ``mean_std``:
+  the standard deviation over seeds of the mean recovery."""
+  out = {}
+  for mode in ("greedy", "sampled"):
+    per_seed = [r[mode] for r in reports]
+    out[mode] = {k: float(np.mean([r[k] for r in per_seed]))
+                 for k in per_seed[0]}
+    out[mode]["mean_std"] = float(np.std([r["mean"] for r in per_seed]))
+  return out
+
+
+def table(results: dict, domains, mode: str, seeds: int) -> str:
+  spread = seeds > 1
+  rows = [f"| variant | {' | '.join(domains)} | mean |"
+          + (f" sd of the mean over {seeds} seeds |" if spread else ""),
+          "|---" * (len(domains) + 2 + spread) + "|"]
   for variant, per_mode in results.items():
     r = per_mode[mode]
     rows.append(f"| {variant} | " + " | ".join(
         f"{100 * r[d]:.1f}%" if d in r else "n/a" for d in domains)
-                + f" | {100 * r['mean']:.1f}% |")
+                + f" | {100 * r['mean']:.1f}% |"
+                + (f" {100 * r['mean_std']:.1f} |" if spread else ""))
   return "\n".join(rows)
 
 
@@ -83,6 +108,8 @@ def main(argv=None):
                       help="e.g. ':smoke' (configs/mopd.py variants)")
   parser.add_argument("--jobs", type=int, default=1,
                       help="variants trained at once")
+  parser.add_argument("--seeds", default="0",
+                      help="comma-separated seeds; cells average over them")
   parser.add_argument("--eval_prompts", type=int, default=0,
                       help="N > 0: evaluate every run on N test prompts per"
                       " domain (0: use the runs' own final evaluation)")
@@ -95,23 +122,31 @@ def main(argv=None):
     if variant not in VARIANTS:
       parser.error(f"--variants: unknown {variant!r}; known: "
                    + ", ".join(VARIANTS))
+  try:
+    seeds = [int(s) for s in args.seeds.split(",")]
+  except ValueError:
+    parser.error(f"--seeds: {args.seeds!r} is not a comma-separated list of"
+                 " integers")
+  runs = [(v, s) for v in variants for s in seeds]
   with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
-    workdirs = list(pool.map(lambda v: train(v, args, extra), variants))
+    workdirs = list(pool.map(lambda r: train(*r, args, extra), runs))
   eval_file = headroom.EVAL_FILE
   if args.eval_prompts:
     eval_file = eval_file_name(args.eval_prompts)
     for run in dict.fromkeys([args.base, *dirs.values(), *workdirs]):
       if not os.path.exists(os.path.join(run, eval_file)):
         evaluate_run(run, args.eval_prompts, TRAIN_DOMAINS)
-  results = {v: headroom.report(headroom.final_scalars(w, eval_file),
+  reports = {r: headroom.report(headroom.final_scalars(w, eval_file),
                                 args.base, dirs, eval_file)
-             for v, w in zip(variants, workdirs)}
+             for r, w in zip(runs, workdirs)}
+  results = {v: over_seeds([reports[v, s] for s in seeds]) for v in variants}
   report = "\n\n".join(
-      [f"# Open-MOPD ablation ({args.steps} steps, {eval_file})",
-       "Headroom recovery, greedy decoding:", table(results, domains,
-                                                    "greedy"),
-       "Headroom recovery, temperature 1:", table(results, domains,
-                                                  "sampled")]) + "\n"
+      [f"# Open-MOPD ablation ({args.steps} steps, {eval_file}, seeds "
+       f"{args.seeds})",
+       "Headroom recovery, greedy decoding:",
+       table(results, domains, "greedy", len(seeds)),
+       "Headroom recovery, temperature 1:",
+       table(results, domains, "sampled", len(seeds))]) + "\n"
   os.makedirs(args.out, exist_ok=True)
   write_text_atomic(os.path.join(args.out, "ablation.md"), report)
   write_json_atomic(os.path.join(args.out, "ablation.json"), results)

@@ -1,14 +1,40 @@
 """The ablation script end to end on smoke runs: it trains the variants it
-is given, evaluates every run on ``--eval_prompts`` test prompts and writes
-the headroom-recovery report from those evaluations."""
+is given with every seed, evaluates every run on ``--eval_prompts`` test
+prompts and writes the headroom-recovery report from those evaluations;
+and its average over seeds against numpy."""
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
+
 from conftest import ROOT
+
+
+def _ablation():
+  spec = importlib.util.spec_from_file_location(
+      "open_mopd_ablation", f"{ROOT}/experiments/open_mopd_ablation.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_over_seeds_averages_each_cell():
+  rng = np.random.default_rng(0)
+  reports = [{mode: {"add": float(rng.normal()), "sort": float(rng.normal()),
+                     "mean": float(rng.normal())}
+              for mode in ("greedy", "sampled")} for _ in range(3)]
+  got = _ablation().over_seeds(reports)
+  for mode in ("greedy", "sampled"):
+    for key in ("add", "sort", "mean"):
+      np.testing.assert_allclose(
+          got[mode][key], np.mean([r[mode][key] for r in reports]))
+    np.testing.assert_allclose(
+        got[mode]["mean_std"], np.std([r[mode]["mean"] for r in reports]))
 
 
 def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
@@ -20,7 +46,7 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
   result = subprocess.run(
       [sys.executable, f"{ROOT}/experiments/open_mopd_ablation.py",
        f"--base={base}", f"--teachers={teachers}", f"--out={out}",
-       "--steps=2", "--variants=plain,all", "--jobs=2",
+       "--steps=2", "--variants=plain,all", "--seeds=0,3", "--jobs=2",
        "--config_variant=:smoke", "--eval_prompts=8", "--",
        f"--config.data.data_dir={data_dir}"],
       capture_output=True, text=True, timeout=300,
@@ -37,7 +63,10 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
   assert saved["open_mopd"]["token_share"] and saved["open_mopd"][
       "gap_budget"] and saved["open_mopd"]["reward_refresh"]
   assert not saved_plain["open_mopd"]["token_share"]
+  assert saved_plain["seed"] == 0
+  assert json.load(open(out / "plain_seed3" / "config.json"))["seed"] == 3
   report = (out / "ablation.md").read_text()
   assert "| all |" in report and "eval_8.json" in report
-  for run in (base, out / "plain", out / "all"):
+  assert "sd of the mean over 2 seeds" in report
+  for run in (base, out / "plain", out / "all", out / "all_seed3"):
     assert (run / "eval_8.json").exists(), run
