@@ -16,7 +16,8 @@ many run at once, each printing to ``<out>/<run>.log``; arguments after
 greedy and sampled, with the oracle ensemble = each domain's own expert;
 with several seeds, each cell is the mean over the seeds and the table adds
 the seeds' standard deviation of the four-domain mean (seed-to-seed spread
-is as large as the differences between variants at 200 steps).
+is as large as the differences between variants at 200 steps); the JSON
+keeps every seed's own recovery under ``per_seed``.
 With ``--eval_prompts=N`` the base, the experts and every variant are
 first evaluated on ``N`` test prompts per domain (``mopd_jax.evaluate``,
 kept as ``eval_<N>.json`` in each run, done once) instead of the runs' own
@@ -107,7 +108,7 @@ def main(argv=None):
   parser.add_argument("--config_variant", default="",
                       help="e.g. ':smoke' (configs/mopd.py variants)")
   parser.add_argument("--jobs", type=int, default=1,
-                      help="variants trained at once")
+                      help="runs trained at once")
   parser.add_argument("--seeds", default="0",
                       help="comma-separated seeds; cells average over them")
   parser.add_argument("--eval_prompts", type=int, default=0,
@@ -139,7 +140,9 @@ def main(argv=None):
   reports = {r: headroom.report(headroom.final_scalars(w, eval_file),
                                 args.base, dirs, eval_file)
              for r, w in zip(runs, workdirs)}
-  results = {v: over_seeds([reports[v, s] for s in seeds]) for v in variants}
+  results = {v: dict(over_seeds([reports[v, s] for s in seeds]),
+                    per_seed={s: reports[v, s] for s in seeds})
+             for v in variants}
   report = "\n\n".join(
       [f"# Open-MOPD ablation ({args.steps} steps, {eval_file}, seeds "
        f"{args.seeds})",

@@ -100,7 +100,8 @@ def defaults(method: str) -> ml_collections.ConfigDict:
         prompts_per_step=32,
         epochs=1,
         minibatches=1,
-        advantage="grpo",  # grpo | drgrpo | rloo
+        advantage="grpo",  # grpo | drgrpo | rloo | passk
+        pass_k=4,  # passk: the group is rewarded for its best of k samples
         advantage_eps=1e-6,
         eps_low=0.2,
         eps_high=0.28,
@@ -241,8 +242,8 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rl.prompts_per_step", _positive, "> 0"),
     ("rl.epochs", _positive, "> 0"),
     ("rl.minibatches", _positive, "> 0"),
-    ("rl.advantage", lambda v: v in ("grpo", "drgrpo", "rloo"),
-     "grpo, drgrpo or rloo"),
+    ("rl.advantage", lambda v: v in ("grpo", "drgrpo", "rloo", "passk"),
+     "grpo, drgrpo, rloo or passk"),
     ("rl.advantage_eps", _positive, "> 0"),
     ("rl.eps_low", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("rl.eps_high", _non_negative, ">= 0"),
@@ -361,6 +362,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def _validate_rl(full) -> None:
   batch = full.rl.prompts_per_step * full.rl.group_size
+  if not 1 <= full.rl.pass_k <= full.rl.group_size:
+    raise ConfigError(f"rl.pass_k: {full.rl.pass_k} must be in [1,"
+                      f" rl.group_size = {full.rl.group_size}]")
   if batch % full.rl.minibatches:
     raise ConfigError(f"rl.minibatches: {full.rl.minibatches} does not divide"
                       f" the {batch} sequences of a step")

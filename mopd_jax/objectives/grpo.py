@@ -7,23 +7,30 @@ Shapes: ``rewards`` [B] with the ``G`` samples of one prompt contiguous
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mopd_jax.reductions import masked_sum_count
 
-ADVANTAGES = ("grpo", "drgrpo", "rloo")
+ADVANTAGES = ("grpo", "drgrpo", "rloo", "passk")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")
 
 
 def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
-                     eps: float = 1e-6) -> jax.Array:
+                     eps: float = 1e-6, pass_k: int = 1) -> jax.Array:
   """Per-sample advantage from the rewards of its group.
 
   * ``grpo``:   ``A_i = (r_i - mean(r)) / (std(r) + eps)`` (population std)
   * ``drgrpo``: ``A_i = r_i - mean(r)``   (Dr. GRPO: no std division)
   * ``rloo``:   ``A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean(r))``
+  * ``passk``:  ``A_i = E_{S ∋ i}[max_{j in S} r_j] - E_S[max_{j in S} r_j]``
+    over the uniformly random ``pass_k``-subsets ``S`` of the group: the
+    group is rewarded for its best of ``k`` (pass@k) and each sample gets
+    its share (``subset_max_advantages``); ``pass_k = 1`` is ``drgrpo``.
 
   A group whose rewards are all equal gets exactly zero advantage.
   """
@@ -35,11 +42,48 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
     adv = centred
   elif mode == "rloo":
     adv = centred * group_size / max(group_size - 1, 1)
+  elif mode == "passk":
+    adv = subset_max_advantages(r, pass_k)
   else:
     raise ValueError(f"advantage mode {mode!r} not in {ADVANTAGES}")
   # Exact zeros for all-equal groups, whatever rounding left in ``centred``.
   adv = jnp.where(informative_groups(rewards, group_size)[:, None], adv, 0.0)
   return adv.reshape(-1)
+
+
+def _max_weights(n: int, k: int) -> np.ndarray:
+  """``P(the j-th smallest of n is the max of a random k-subset)``, j = 1..n:
+  ``C(j-1, k-1) / C(n, k)``."""
+  return np.array([math.comb(j - 1, k - 1) / math.comb(n, k)
+                   for j in range(1, n + 1)], np.float32)
+
+
+def subset_max_advantages(r: jax.Array, k: int) -> jax.Array:
+  """Pass@k advantages of groups ``r`` [P, G] (binary or graded rewards).
+
+  The group's value is ``R = E_S[max_S r] = sum_j r_(j) C(j-1, k-1)/C(G, k)``
+  with ``r_(j)`` the j-th smallest reward; sample ``i``'s is
+  ``R_i = E_{S ∋ i}[max_S r] = sum_j max(r_i, o_(j)) C(j-1, k-2)/C(G-1, k-1)``
+  with ``o`` the other ``G - 1`` rewards (``R_i = r_i`` for ``k = 1``);
+  ``A_i = R_i - R``. For binary rewards with ``c`` correct: a correct
+  sample gets ``C(G-c, k)/C(G, k)``, an incorrect one loses only
+  ``C(G-c-1, k-1)/C(G-1, k-1) - C(G-c, k)/C(G, k)`` (Chen et al. 2025,
+  pass@k training): a lone correct answer is rewarded as much as under
+  GRPO while the wrong majority is barely pushed down, so groups keep
+  exploring instead of collapsing onto one answer.
+  """
+  g = r.shape[1]
+  if not 1 <= k <= g:
+    raise ValueError(f"pass_k {k} must be in [1, group size {g}]")
+  value = jnp.sort(r, axis=1) @ _max_weights(g, k)
+  if k == 1:
+    own = r
+  else:
+    # others[p, i] = the group's rewards without sample i, sorted.
+    drop = np.array([[j for j in range(g) if j != i] for i in range(g)])
+    others = jnp.sort(r[:, drop], axis=2)
+    own = jnp.maximum(r[:, :, None], others) @ _max_weights(g - 1, k - 1)
+  return own - value[:, None]
 
 
 def informative_groups(rewards: jax.Array, group_size: int) -> jax.Array:

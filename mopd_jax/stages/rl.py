@@ -101,7 +101,8 @@ def rollout_batch(rollout, prompt, prompt_mask, rewards: np.ndarray, rl):
   group advantages, and ``keep`` = 0 on all-equal groups when
   ``rl.drop_equal_groups`` (they carry no signal)."""
   advantages = np.asarray(grpo.group_advantages(
-      jnp.asarray(rewards), rl.group_size, rl.advantage, rl.advantage_eps))
+      jnp.asarray(rewards), rl.group_size, rl.advantage, rl.advantage_eps,
+      rl.pass_k))
   informative = np.repeat(np.asarray(grpo.informative_groups(
       jnp.asarray(rewards), rl.group_size)), rl.group_size)
   keep = informative if rl.drop_equal_groups else np.ones_like(informative)

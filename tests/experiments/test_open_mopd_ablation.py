@@ -56,7 +56,8 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.load(open(out / "ablation.json"))
   assert set(results) == {"plain", "all"}
-  assert set(results["all"]) == {"greedy", "sampled"}
+  assert set(results["all"]) == {"greedy", "sampled", "per_seed"}
+  assert set(results["all"]["per_seed"]) == {"0", "3"}
   assert "evaluation at step 2" in (out / "plain.log").read_text()
   saved = json.load(open(out / "all" / "config.json"))
   saved_plain = json.load(open(out / "plain" / "config.json"))

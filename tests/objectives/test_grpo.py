@@ -1,5 +1,8 @@
 """GRPO objective pieces against independent numpy computations."""
 
+import itertools
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,11 +12,22 @@ from mopd_jax.objectives import grpo
 RNG = np.random.default_rng(0)
 
 
-def _np_advantages(r, G, mode, eps=1e-6):
+def _np_subset_max(x, k):
+  """Pass@k advantages by enumerating every k-subset of the group."""
+  subsets = list(itertools.combinations(range(len(x)), k))
+  value = np.mean([max(x[j] for j in s) for s in subsets])
+  return np.array([np.mean([max(x[j] for j in s) for s in subsets if i in s])
+                   for i in range(len(x))]) - value
+
+
+def _np_advantages(r, G, mode, eps=1e-6, k=2):
   out = np.zeros_like(r, dtype=np.float64)
   for g in range(len(r) // G):
     x = r[g * G:(g + 1) * G].astype(np.float64)
     if x.max() == x.min():
+      continue
+    if mode == "passk":
+      out[g * G:(g + 1) * G] = _np_subset_max(x, k)
       continue
     for i in range(G):
       if mode == "grpo":
@@ -31,9 +45,38 @@ def test_group_advantages(mode):
   r = RNG.random(5 * G).round(1)
   r[:G] = 0.5  # an all-equal group
   r[G:2 * G] = [0, 0, 0, 1]
-  got = np.asarray(grpo.group_advantages(jnp.asarray(r), G, mode))
+  got = np.asarray(grpo.group_advantages(jnp.asarray(r), G, mode, pass_k=2))
   np.testing.assert_allclose(got, _np_advantages(r, G, mode), atol=1e-5)
   assert np.all(got[:G] == 0.0) and np.all(np.isfinite(got))
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_pass_k_advantages_enumerate_subsets(binary):
+  G = 6
+  r = RNG.random(4 * G)
+  r = (r < 0.4).astype(np.float64) if binary else r.round(2)
+  for k in range(1, G + 1):
+    got = np.asarray(grpo.group_advantages(jnp.asarray(r), G, "passk",
+                                           pass_k=k))
+    np.testing.assert_allclose(got, _np_advantages(r, G, "passk", k=k),
+                               atol=1e-5)
+  np.testing.assert_allclose(  # best of 1 is the plain centred reward
+      grpo.group_advantages(jnp.asarray(r), G, "passk", pass_k=1),
+      grpo.group_advantages(jnp.asarray(r), G, "drgrpo"), atol=1e-6)
+
+
+def test_pass_k_binary_closed_form():
+  G, k, c = 8, 4, 1  # one correct answer among eight
+  r = np.array([1.0] + [0.0] * (G - 1))
+  got = np.asarray(grpo.group_advantages(jnp.asarray(r), G, "passk",
+                                         pass_k=k))
+  miss = math.comb(G - c, k) / math.comb(G, k)
+  np.testing.assert_allclose(got[0], miss, rtol=1e-6)
+  np.testing.assert_allclose(
+      got[1:], 1 - math.comb(G - c - 1, k - 1) / math.comb(G - 1, k - 1)
+      - (1 - miss), rtol=1e-5)
+  with pytest.raises(ValueError, match="pass_k"):
+    grpo.group_advantages(jnp.asarray(r), G, "passk", pass_k=G + 1)
 
 
 def test_informative_groups():
