@@ -362,7 +362,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def _validate_rl(full) -> None:
   batch = full.rl.prompts_per_step * full.rl.group_size
-  if not 1 <= full.rl.pass_k <= full.rl.group_size:
+  if full.rl.advantage == "passk" and not (
+      1 <= full.rl.pass_k <= full.rl.group_size):
     raise ConfigError(f"rl.pass_k: {full.rl.pass_k} must be in [1,"
                       f" rl.group_size = {full.rl.group_size}]")
   if batch % full.rl.minibatches:

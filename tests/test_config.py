@@ -116,7 +116,7 @@ def test_cli_malformed_eval_jsonl_names_file_and_line(tmp_path, data_dir):
     (lambda c: c.rl.__setattr__("advantage", "ppo"), "rl.advantage"),
     (lambda c: c.rl.__setattr__("group_size", 1), "rl.group_size"),
     (lambda c: c.rl.__setattr__("dual_clip", 0.5), "rl.dual_clip"),
-    (lambda c: c.rl.__setattr__("pass_k", 9), "rl.pass_k"),
+    (lambda c: c.rl.update(advantage="passk", pass_k=9), "rl.pass_k"),
     (lambda c: c.rl.__setattr__("entropy_coef", -0.1), "rl.entropy_coef"),
     (lambda c: c.sampling.__setattr__("top_k", 5), "sampling.top_k"),
     (lambda c: c.__setattr__("domain", "poetry"), "domain"),
