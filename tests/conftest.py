@@ -18,6 +18,16 @@ def data_dir(tmp_path_factory):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def load_experiment(name: str):
+  """The module of ``experiments/<name>.py`` (scripts, not a package)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      name, f"{ROOT}/experiments/{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def pretrain_smoke_command(workdir, data_dir):
   import sys
   return [sys.executable, "-m", "mopd_jax.train",

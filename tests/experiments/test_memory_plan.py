@@ -1,24 +1,16 @@
 """The memory plan's per-device estimates against XLA's memory analysis of
 the compiled programs (tiny model, (2,2,2) mesh of the 8 fake devices)."""
 
-import importlib.util
 
 import pytest
 
-from conftest import ROOT
-
-
-def _memory_plan():
-  spec = importlib.util.spec_from_file_location(
-      "memory_plan", f"{ROOT}/experiments/memory_plan.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from conftest import load_experiment
 
 
 def test_estimates_match_xla():
   checks = {name: (estimate, measured)
-            for name, estimate, measured in _memory_plan().check()}
+            for name, estimate, measured in
+            load_experiment("memory_plan").check()}
   # What sits in memory between steps is exact: params, AdamW, batch, cache.
   for name in ("arguments: params + adam + batch",
                "KV cache (with its slot segment ids)"):
@@ -30,7 +22,7 @@ def test_estimates_match_xla():
 
 
 def test_qwen7b_table_on_a_pod_slice(capsys):
-  _memory_plan().main(["--mesh", "1,64,1", "--remat"])
+  load_experiment("memory_plan").main(["--mesh", "1,64,1", "--remat"])
   row = [l for l in capsys.readouterr().out.splitlines()
          if l.startswith("| 1,64,1")][0]
   params, adam = (float(x) for x in row.split("|")[2:4])

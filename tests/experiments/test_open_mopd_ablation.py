@@ -3,7 +3,6 @@ is given with every seed, evaluates every run on ``--eval_prompts`` test
 prompts and writes the headroom-recovery report from those evaluations;
 and its average over seeds against numpy."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,15 +11,7 @@ import sys
 
 import numpy as np
 
-from conftest import ROOT
-
-
-def _ablation():
-  spec = importlib.util.spec_from_file_location(
-      "open_mopd_ablation", f"{ROOT}/experiments/open_mopd_ablation.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from conftest import ROOT, load_experiment
 
 
 def test_over_seeds_averages_each_cell():
@@ -28,7 +19,7 @@ def test_over_seeds_averages_each_cell():
   reports = [{mode: {"add": float(rng.normal()), "sort": float(rng.normal()),
                      "mean": float(rng.normal())}
               for mode in ("greedy", "sampled")} for _ in range(3)]
-  got = _ablation().over_seeds(reports)
+  got = load_experiment("open_mopd_ablation").over_seeds(reports)
   for mode in ("greedy", "sampled"):
     for key in ("add", "sort", "mean"):
       np.testing.assert_allclose(
