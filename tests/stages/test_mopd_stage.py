@@ -154,6 +154,28 @@ def test_pg_loss_is_reinforce_on_the_signal_and_refresh_rescores():
   assert not np.allclose(current * mask, data["old_logp"] * mask, atol=1e-3)
 
 
+def test_refresh_does_not_change_the_kl_loss():
+  """Under ``opd.loss=kl`` (no gate, no extrapolation) the loss is the exact
+  KL under the current student, so the refresh only changes the logged
+  signal: an ablation row with ``reward_refresh`` alone equals plain MOPD."""
+  student, teachers = _models()
+  data = _batch(student, teachers, np.array([1, 0, 1, 0], np.int32))
+  rl, opd_cfg = _sections(loss="kl")
+  teacher_w = mopd_stage.stacked_unembeddings(
+      [(p,) for _, p in teachers], [(cfg,) for cfg, _ in teachers])
+  moved = jax.tree.map(lambda x: x * 1.1, student[1])
+  out = []
+  for refresh in (False, True):
+    fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, {})
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(
+        fn, has_aux=True))(moved, data, teacher_w)
+    out.append((loss, grad, metrics["signal"][0]))
+  np.testing.assert_array_equal(out[0][0], out[1][0])
+  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):
+    np.testing.assert_array_equal(a, b)
+  assert abs(float(out[0][2]) - float(out[1][2])) > 1e-3
+
+
 def test_distillation_closes_the_gap_to_a_teacher():
   """The stage's own loss, scorer and minibatch loop: 14 steps of sampled-
   token MOPD from a random student towards a sharper random teacher must
