@@ -17,7 +17,10 @@ greedy and sampled, with the oracle ensemble = each domain's own expert;
 with several seeds, each cell is the mean over the seeds and the table adds
 the seeds' standard deviation of the four-domain mean (seed-to-seed spread
 is as large as the differences between variants at 200 steps); the JSON
-keeps every seed's own recovery under ``per_seed``.
+keeps every seed's own recovery under ``per_seed``, and
+``<out>/ablation.png`` draws the same cells as bars (one group per domain
+and the mean, one bar per variant; with several seeds, error bars of one
+standard deviation over them).
 With ``--eval_prompts=N`` the base, the experts and every variant are
 first evaluated on ``N`` test prompts per domain (``mopd_jax.evaluate``,
 kept as ``eval_<N>.json`` in each run, done once) instead of the runs' own
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import io
 import os
 import subprocess
 import sys
@@ -38,7 +42,8 @@ from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import headroom
 from mopd_jax.fusion.mopd import parse_teachers
-from mopd_jax.atomic import write_json_atomic, write_text_atomic
+from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
+                             write_text_atomic)
 
 MECHANISMS = ("token_share", "gap_budget", "reward_refresh")
 VARIANTS = {"plain": (), **{m: (m,) for m in MECHANISMS}, "all": MECHANISMS}
@@ -98,6 +103,40 @@ def table(results: dict, domains, mode: str, seeds: int) -> str:
   return "\n".join(rows)
 
 
+def plot(results: dict, domains, title: str) -> bytes:
+  """PNG bytes: for each decoding mode a panel of grouped bars, recovery in
+  percent per domain and on average, one bar per variant, with the
+  seeds' standard deviation of each cell as its error bar."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  groups = [*domains, "mean"]
+  x = np.arange(len(groups))
+  width = 0.8 / len(results)
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+  for ax, mode in zip(axes, ("greedy", "sampled")):
+    for i, (variant, r) in enumerate(results.items()):
+      seeds = list(r["per_seed"].values())
+      cells = [[100 * s[mode].get(g, np.nan) for s in seeds] for g in groups]
+      ax.bar(x + (i - (len(results) - 1) / 2) * width,
+             [np.mean(c) for c in cells], width, label=variant,
+             yerr=[np.std(c) for c in cells] if len(seeds) > 1 else None,
+             capsize=2)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(x, groups)
+    ax.set_title("greedy" if mode == "greedy" else "temperature 1")
+  axes[0].set_ylabel("headroom recovery (%)")
+  fig.legend(*axes[0].get_legend_handles_labels(), loc="center right",
+             fontsize="small")
+  fig.suptitle(title)
+  fig.tight_layout(rect=(0, 0, 0.88, 1))
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=100)
+  plt.close(fig)
+  return buf.getvalue()
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--base", required=True)
@@ -143,9 +182,10 @@ def main(argv=None):
   results = {v: dict(over_seeds([reports[v, s] for s in seeds]),
                     per_seed={s: reports[v, s] for s in seeds})
              for v in variants}
+  title = (f"Open-MOPD ablation ({args.steps} steps, {eval_file}, seeds "
+           f"{args.seeds})")
   report = "\n\n".join(
-      [f"# Open-MOPD ablation ({args.steps} steps, {eval_file}, seeds "
-       f"{args.seeds})",
+      [f"# {title}",
        "Headroom recovery, greedy decoding:",
        table(results, domains, "greedy", len(seeds)),
        "Headroom recovery, temperature 1:",
@@ -153,6 +193,8 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   write_text_atomic(os.path.join(args.out, "ablation.md"), report)
   write_json_atomic(os.path.join(args.out, "ablation.json"), results)
+  write_bytes_atomic(os.path.join(args.out, "ablation.png"),
+                     plot(results, domains, title))
   print(report)
 
 

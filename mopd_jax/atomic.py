@@ -1,7 +1,7 @@
 """Atomic file writes: a reader (or a run killed mid-write) sees the old file
 or the new one, never half of one.
 
-The text goes to a temporary file in the same directory, is flushed to disk,
+The bytes go to a temporary file in the same directory, is flushed to disk,
 and is renamed over the target (``os.replace`` is atomic on POSIX and
 Windows within one file system).
 
@@ -18,17 +18,17 @@ from typing import Any
 from mopd_jax.parallel import is_primary
 
 
-def write_text_atomic(path: str, text: str) -> None:
-  """Replace the file at ``path`` with ``text`` (UTF-8) in one step (on
-  process 0 only)."""
+def write_bytes_atomic(path: str, data: bytes) -> None:
+  """Replace the file at ``path`` with ``data`` in one step (on process 0
+  only)."""
   if not is_primary():
     return
   # Per process, so that two runs never share a temporary file; open()
   # (unlike mkstemp) gives the file the usual permissions.
   tmp = f"{path}.{os.getpid()}.tmp"
   try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text)
+    with open(tmp, "wb") as f:
+      f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -36,6 +36,11 @@ def write_text_atomic(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  """``text`` as UTF-8, written atomically."""
+  write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: str, payload: Any) -> None:

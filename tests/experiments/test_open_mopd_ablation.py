@@ -1,6 +1,7 @@
 """The ablation script end to end on smoke runs: it trains the variants it
 is given with every seed, evaluates every run on ``--eval_prompts`` test
-prompts and writes the headroom-recovery report from those evaluations;
+prompts and writes the headroom-recovery report (table, JSON and plot)
+from those evaluations;
 and its average over seeds against numpy."""
 
 import json
@@ -60,5 +61,6 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
   report = (out / "ablation.md").read_text()
   assert "| all |" in report and "eval_8.json" in report
   assert "sd of the mean over 2 seeds" in report
+  assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   for run in (base, out / "plain", out / "all", out / "all_seed3"):
     assert (run / "eval_8.json").exists(), run
