@@ -118,10 +118,11 @@ def plot(results: dict, domains, title: str) -> bytes:
   for ax, mode in zip(axes, ("greedy", "sampled")):
     for i, (variant, r) in enumerate(results.items()):
       seeds = list(r["per_seed"].values())
-      cells = [[100 * s[mode].get(g, np.nan) for s in seeds] for g in groups]
+      spread = [np.std([100 * s[mode].get(g, np.nan) for s in seeds])
+                for g in groups]
       ax.bar(x + (i - (len(results) - 1) / 2) * width,
-             [np.mean(c) for c in cells], width, label=variant,
-             yerr=[np.std(c) for c in cells] if len(seeds) > 1 else None,
+             [100 * r[mode].get(g, np.nan) for g in groups], width,
+             label=variant, yerr=spread if len(seeds) > 1 else None,
              capsize=2)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(x, groups)

@@ -1,9 +1,9 @@
 """Atomic file writes: a reader (or a run killed mid-write) sees the old file
 or the new one, never half of one.
 
-The bytes go to a temporary file in the same directory, is flushed to disk,
-and is renamed over the target (``os.replace`` is atomic on POSIX and
-Windows within one file system).
+The bytes go to a temporary file in the same directory, are flushed to
+disk, and the file is renamed over the target (``os.replace`` is atomic on
+POSIX and Windows within one file system).
 
 In a multi-host run only process 0 writes (every process computes the same
 payload, and the hosts share the workdir); the others return at once.
