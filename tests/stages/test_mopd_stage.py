@@ -79,6 +79,13 @@ def _teacher_logits(teachers, data):
   return np.stack([zs[j][b] for b, j in enumerate(data["teacher_id"])])
 
 
+def _teacher_w(teachers):
+  """The stage's stacked teacher unembeddings, one single-model teacher per
+  entry."""
+  return mopd_stage.stacked_unembeddings(
+      [(p,) for _, p in teachers], [(cfg,) for cfg, _ in teachers])
+
+
 def _masked_mean(x, mask):
   return jnp.sum(x * mask) / jnp.sum(mask)
 
@@ -98,8 +105,7 @@ def test_routed_scores_and_the_kl_loss_match_full_logits():
                              atol=1e-5)
   rl, opd_cfg = _sections(loss="kl", kl_alpha=0.3)
   loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, {})
-  teacher_w = mopd_stage.stacked_unembeddings(
-      [(p,) for _, p in teachers], [(cfg,) for cfg, _ in teachers])
+  teacher_w = _teacher_w(teachers)
 
   def naive(params):
     z = sampler.completion_logits(params, student[0], data["prompt"],
@@ -161,8 +167,7 @@ def test_refresh_does_not_change_the_kl_loss():
   student, teachers = _models()
   data = _batch(student, teachers, np.array([1, 0, 1, 0], np.int32))
   rl, opd_cfg = _sections(loss="kl")
-  teacher_w = mopd_stage.stacked_unembeddings(
-      [(p,) for _, p in teachers], [(cfg,) for cfg, _ in teachers])
+  teacher_w = _teacher_w(teachers)
   moved = jax.tree.map(lambda x: x * 1.1, student[1])
   out = []
   for refresh in (False, True):
