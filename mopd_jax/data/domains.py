@@ -129,30 +129,23 @@ class _Chain(Domain):
 
 
 class _Instruct(_ExactMatch):
-  """Concise instructions on a 4 to 8 letter word; answers are 1 to 3 characters.
+  """Concise instructions on a 4 to 8 letter word; answers are 1 to 3 letters.
 
   ``first 2 of kqzt:`` -> ``kq``, ``last 1 of kqzt:`` -> ``t``,
-  ``count a in abca:`` -> ``2``, ``len of abcd:`` -> ``4``.
+  ``letter 3 of kqzt:`` -> ``z``.
   """
 
   def _sample(self, rng: np.random.Generator) -> tuple[str, str]:
     word = _letters(rng, 4, 8)
-    task = int(rng.integers(0, 4))
+    task = int(rng.integers(0, 3))
     if task == 0:
       k = int(rng.integers(1, 4))
       return f"first {k} of {word}:", word[:k]
     if task == 1:
       k = int(rng.integers(1, 4))
       return f"last {k} of {word}:", word[-k:]
-    if task == 2:
-      # Half the time the letter comes from the word, so that the count is
-      # often positive rather than almost always 0.
-      if rng.random() < 0.5:
-        letter = word[int(rng.integers(0, len(word)))]
-      else:
-        letter = string.ascii_lowercase[int(rng.integers(0, 26))]
-      return f"count {letter} in {word}:", str(word.count(letter))
-    return f"len of {word}:", str(len(word))
+    i = int(rng.integers(1, 5))
+    return f"letter {i} of {word}:", word[i - 1]
 
 
 class _Sort(_ExactMatch):
@@ -177,7 +170,7 @@ DOMAINS: dict[str, Domain] = {
         _Chain("chain", False,
                "step-by-step sum of 3 to 5 terms; only the total is checked"),
         _Instruct("instruct", False,
-                  "first/last k letters, letter count, word length"),
+                  "first/last k letters, the i-th letter"),
         _Sort("sort", False, "sort 4 to 7 letters"),
         _Reverse("reverse", True,
                  "reverse 3 to 5 letters; held out, base training only"),

@@ -44,11 +44,12 @@ class MopdDomains(tfds.core.GeneratorBasedBuilder):
 
   # Bump whenever a domain generator changes what it draws: built datasets are
   # reused by version, so a stale one would otherwise be served silently.
-  VERSION = tfds.core.Version("1.2.0")
+  VERSION = tfds.core.Version("1.3.0")
   RELEASE_NOTES: ClassVar[dict[str, str]] = {
       "1.0.0": "Initial release.",
       "1.1.0": "Harder instruct (4-8 letter words) and sort (4-7 letters).",
       "1.2.0": "add operands 0..99 instead of 0..199.",
+      "1.3.0": "instruct: first/last k and the i-th letter (no count, len).",
   }
   BUILDER_CONFIGS: ClassVar[list[DomainConfig]] = [
       DomainConfig(name=name, domain=name, description=d.description)

@@ -27,7 +27,7 @@ def test_generate_batches_and_pads_the_last_batch():
 def test_evaluate_uniform_model_is_always_wrong():
   params = decoder.init_params(CFG, jax.random.key(0))
   params["final_norm"] = params["final_norm"] * 0  # uniform logits -> PAD
-  exs = {"instruct": [Example("len of abc:", "3", "instruct")] * 3,
+  exs = {"instruct": [Example("first 2 of abc:", "ab", "instruct")] * 3,
          "add": [Example("add 1+2=", "3", "add")]}
   sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
   out = accuracy.evaluate(params, CFG, TOK, exs, sampling, jax.random.key(0),

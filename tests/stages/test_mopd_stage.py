@@ -198,7 +198,7 @@ def test_distillation_closes_the_gap_to_a_teacher():
       mopd_stage.make_loss(cfg, SAMPLING, rl, opd_cfg, True, {}), optimizer)
   scorer = mopd.make_scorer((cfg,), (1.0,), False, False)
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
-  prompts = ["add 1+2=", "rev abc:", "sort cab:", "len of abcd:"]
+  prompts = ["add 1+2=", "rev abc:", "sort cab:", "first 1 of ab:"]
   prompt, pmask = batching.encode_prompts(
       [p for p in prompts for _ in range(rl.group_size)], TOK, 16)
   curve = []

@@ -37,7 +37,7 @@ def test_grpo_raises_reward_on_an_easy_task():
   train["opt_state"] = optimizer.init(train["params"])
   update = rl_stage.make_update(rl_stage.make_loss(cfg, sampling, rl, {}),
                                 optimizer)
-  prompts = ["add 1+2=", "rev abc:", "sort cab:", "len of abcd:"] * 2
+  prompts = ["add 1+2=", "rev abc:", "sort cab:", "first 1 of ab:"] * 2
   prompt, mask = batching.encode_prompts(
       [p for p in prompts for _ in range(rl.group_size)], TOK, 16)
   curve = []
