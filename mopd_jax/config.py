@@ -86,7 +86,11 @@ def defaults(method: str) -> ml_collections.ConfigDict:
     c.train.batch_size = 32  # packed rows of max_prompt_len+max_new_tokens
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=2e-4 if rl else 3e-3, warmup_steps=5 if rl else 100,
-      end_lr_fraction=1.0 if rl else 0.1, weight_decay=0.0 if rl else 0.01,
+      end_lr_fraction=1.0 if rl else 0.1,
+      # 0: the decay spans the run after warm-up; N > 0: constant until the
+      # last N steps (warmup-stable-decay; see training.learning_rate_schedule)
+      decay_steps=0,
+      weight_decay=0.0 if rl else 0.01,
       b1=0.9, b2=0.99 if rl else 0.95, grad_clip=1.0))
   c.checkpoint = ml_collections.ConfigDict(dict(every=25 if rl else 250,
                                                 keep=2))
@@ -223,6 +227,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("optim.learning_rate", _positive, "> 0"),
     ("optim.warmup_steps", _non_negative, ">= 0"),
     ("optim.end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("optim.decay_steps", _non_negative, ">= 0 (0: the whole run)"),
     ("optim.weight_decay", _non_negative, ">= 0"),
     ("optim.b1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("optim.b2", lambda v: 0 <= v < 1, "in [0, 1)"),

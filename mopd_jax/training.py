@@ -36,19 +36,39 @@ StepFn = Callable[[Any, int], tuple[Any, Mapping[str, tuple]]]
 EvalFn = Callable[[Any, int], Mapping[str, float]]
 
 
-def make_optimizer(optim, total_steps: int) -> optax.GradientTransformation:
-  """AdamW on a linear-warmup, cosine-decay schedule, after global-norm clip.
+def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
+  """Linear warm-up, a constant stretch, then a cosine decay.
 
-  ``lr(t) = lr * t / warmup`` for ``t < warmup``, then cosine from ``lr`` down
-  to ``lr * end_lr_fraction`` at ``total_steps``.
+  With ``W = warmup_steps``, ``T = total_steps``, ``D = decay_steps`` and the
+  decay starting at ``S = max(W, T - D)`` (``S = W`` when ``D = 0``)::
+
+    lr(t) = lr * t / W                                   t < W
+          = lr                                           W <= t < S
+          = lr * (f + (1 - f) * (1 + cos(pi * (t - S) / (T - S))) / 2)
+                                                         S <= t <= T
+
+  with ``f = end_lr_fraction``. ``D = 0`` decays over the whole run after
+  warm-up; ``D > 0`` (warmup-stable-decay) makes the run up to ``S`` the
+  same for every ``T``, so a checkpoint of the stable stretch is the start
+  of the decay of any run that is ``D`` steps longer.
   """
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=optim.learning_rate,
-      warmup_steps=min(optim.warmup_steps, max(total_steps - 1, 0)),
-      decay_steps=max(total_steps, 1),
-      end_value=optim.learning_rate * optim.end_lr_fraction)
+  warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
+  start = (max(warmup, total_steps - optim.decay_steps) if optim.decay_steps
+           else warmup)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, optim.learning_rate, max(warmup, 1)),
+       optax.constant_schedule(optim.learning_rate),
+       optax.cosine_decay_schedule(
+           optim.learning_rate, max(total_steps - start, 1),
+           alpha=optim.end_lr_fraction)],
+      boundaries=[warmup, start])
+
+
+def make_optimizer(optim, total_steps: int) -> optax.GradientTransformation:
+  """AdamW on ``learning_rate_schedule``, after global-norm clip."""
   parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip else []
-  parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2,
+  parts.append(optax.adamw(learning_rate_schedule(optim, total_steps),
+                           b1=optim.b1, b2=optim.b2,
                            weight_decay=optim.weight_decay))
   return optax.chain(*parts)
 
