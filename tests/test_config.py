@@ -37,6 +37,7 @@ def test_defaults_validate_and_fill_missing_fields():
     (lambda c: c.optim.__setattr__("learning_rate", -1.0),
      "optim.learning_rate"),
     (lambda c: c.train.__setattr__("steps", 0), "train.steps"),
+    (lambda c: c.optim.__setattr__("decay_steps", -1), "optim.decay_steps"),
     (lambda c: c.train.__setattr__("max_consecutive_skips", 0),
      "train.max_consecutive_skips"),
     (lambda c: c.sampling.__setattr__("top_p", 1.5), "sampling.top_p"),
