@@ -9,10 +9,14 @@ from mopd_jax.config import defaults, shrink_for_smoke
 
 def get_config(variant: str = ""):
   config = defaults("pretrain")
-  # The base must stay partially competent (room for RL): the arithmetic
-  # domains get the larger share of a short budget.
+  # The base must stay partially competent (room for RL). Arithmetic appears
+  # abruptly at a seed-dependent step, so the learning rate stays constant
+  # until a cool-down of the last 150 steps: the cool-down's start, read off
+  # one constant-rate run, sets how far each skill has come (README, base).
+  config.seed = 1
   config.data.weights = (1.0, 1.0, 0.5, 0.5, 1.5)
-  config.train.steps = 800
+  config.train.steps = 450
+  config.optim.decay_steps = 150
   if variant == "smoke":
     shrink_for_smoke(config)
     config.model.update(embed_dim=32, num_layers=1, num_heads=2,
