@@ -24,7 +24,6 @@ sampled accuracy per domain against ``k``.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ import sys
 from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
                              write_text_atomic)
 from mopd_jax.errors import fail
-from mopd_jax.evaluation import headroom
+from mopd_jax.evaluation import figures, headroom
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("greedy", "sampled")
@@ -73,9 +72,7 @@ def table(results: dict, mode: str) -> str:
 def plot(results: dict, title: str) -> bytes:
   """PNG bytes: accuracy per domain against the cool-down start, one panel
   per decoding mode."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = figures.pyplot()
 
   starts = list(results)
   fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
@@ -89,10 +86,7 @@ def plot(results: dict, title: str) -> bytes:
   axes[1].legend(fontsize="small")
   fig.suptitle(title)
   fig.tight_layout()
-  buf = io.BytesIO()
-  fig.savefig(buf, format="png", dpi=100)
-  plt.close(fig)
-  return buf.getvalue()
+  return figures.png_bytes(fig)
 
 
 def main(argv=None):

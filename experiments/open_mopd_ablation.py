@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import io
 import os
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import numpy as np
 
 from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.evaluate import eval_file_name, evaluate_run
-from mopd_jax.evaluation import headroom
+from mopd_jax.evaluation import figures, headroom
 from mopd_jax.fusion.mopd import parse_teachers
 from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
                              write_text_atomic)
@@ -107,9 +106,7 @@ def plot(results: dict, domains, title: str) -> bytes:
   """PNG bytes: for each decoding mode a panel of grouped bars, recovery in
   percent per domain and on average, one bar per variant, with the
   seeds' standard deviation of each cell as its error bar."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = figures.pyplot()
 
   groups = [*domains, "mean"]
   x = np.arange(len(groups))
@@ -132,10 +129,7 @@ def plot(results: dict, domains, title: str) -> bytes:
              fontsize="small")
   fig.suptitle(title)
   fig.tight_layout(rect=(0, 0, 0.88, 1))
-  buf = io.BytesIO()
-  fig.savefig(buf, format="png", dpi=100)
-  plt.close(fig)
-  return buf.getvalue()
+  return figures.png_bytes(fig)
 
 
 def main(argv=None):
