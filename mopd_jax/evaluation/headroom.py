@@ -45,8 +45,16 @@ def accuracies(scalars: Mapping[str, float], mode: str = "greedy"
 def oracle_accuracies(teacher_dirs: Mapping[str, str], mode: str = "greedy",
                       eval_file: str = EVAL_FILE) -> dict[str, float]:
   """The oracle ensemble: each domain answered by its own expert."""
-  return {d: run_accuracies(path, mode, eval_file)[d]
+  return {d: _domain(run_accuracies(path, mode, eval_file), d,
+                     os.path.join(path, eval_file), mode)
           for d, path in teacher_dirs.items()}
+
+
+def _domain(acc: Mapping[str, float], domain: str, where: str,
+            mode: str) -> float:
+  if domain not in acc:
+    raise CheckpointError(f"{where}: no {mode} accuracy for domain {domain!r}")
+  return acc[domain]
 
 
 def headroom_recovery(student: Mapping[str, float], base: Mapping[str, float],
@@ -64,8 +72,15 @@ def report(scalars: Mapping[str, float], base_dir: str,
            ) -> dict:
   """Headroom recovery of the evaluation ``scalars`` against the base run
   and the oracle ensemble of ``teacher_dirs`` (their ``eval_file``), for
-  greedy and sampled decoding: ``{mode: {domain: recovery, "mean": ...}}``."""
-  return {mode: headroom_recovery(
-      accuracies(scalars, mode), run_accuracies(base_dir, mode, eval_file),
-      oracle_accuracies(teacher_dirs, mode, eval_file))
-          for mode in ("greedy", "sampled")}
+  greedy and sampled decoding: ``{mode: {domain: recovery, "mean": ...}}``.
+  Raises ``CheckpointError`` naming the evaluation that lacks a domain."""
+  out = {}
+  for mode in ("greedy", "sampled"):
+    oracle = oracle_accuracies(teacher_dirs, mode, eval_file)
+    student, base = accuracies(scalars, mode), run_accuracies(
+        base_dir, mode, eval_file)
+    base_file = os.path.join(base_dir, eval_file)
+    out[mode] = headroom_recovery(
+        {d: _domain(student, d, "the final evaluation", mode) for d in oracle},
+        {d: _domain(base, d, base_file, mode) for d in oracle}, oracle)
+  return out

@@ -51,3 +51,20 @@ def test_report_for_both_decoding_modes(tmp_path):
   r = headroom.report(student, base, experts)
   assert r["greedy"]["add"] == pytest.approx(0.5)
   assert r["sampled"]["add"] == pytest.approx((0.35 - 0.25) / (0.45 - 0.25))
+
+
+@pytest.mark.parametrize("missing", ["student", "base", "expert"])
+def test_report_names_the_evaluation_without_a_domain(tmp_path, missing):
+  full, partial = {"add": 0.5, "sort": 0.5}, {"add": 0.5}
+
+  def pick(who):
+    return partial if who == missing else full
+
+  base = _run(tmp_path, "base", pick("base"))
+  experts = {"add": _run(tmp_path, "e_add", {"add": 0.9}),
+             "sort": _run(tmp_path, "e_sort", pick("expert"))}
+  student = headroom.final_scalars(_run(tmp_path, "s", pick("student")))
+  where = {"student": "final evaluation", "base": "base/eval.json",
+           "expert": "e_sort/eval.json"}[missing]
+  with pytest.raises(CheckpointError, match=f"{where}.*'sort'"):
+    headroom.report(student, base, experts)
