@@ -27,12 +27,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 
+from mopd_jax import launch
 from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
                              write_text_atomic)
-from mopd_jax.errors import fail
+from mopd_jax.errors import UserError, fail
 from mopd_jax.evaluation import figures, headroom
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,10 +40,10 @@ MODES = ("greedy", "sampled")
 
 def train(workdir: str, overrides: list[str], args, extra) -> None:
   """Trains (or resumes, or skips if finished) one run into ``workdir``."""
-  cmd = [sys.executable, "-m", "mopd_jax.train", f"--config={args.config}",
-         f"--workdir={workdir}", *overrides, *extra]
-  print(f"== {' '.join(cmd[1:])}", flush=True)
-  subprocess.run(cmd, check=True)
+  cmd = [f"--config={args.config}", f"--workdir={workdir}", *overrides,
+         *extra]
+  print(f"== {' '.join(cmd)}", flush=True)
+  launch.train(cmd)
 
 
 def cool(stable: str, start: int, args, extra) -> str:
@@ -120,8 +119,11 @@ def main(argv=None):
       fail(f"--starts: {stable} has no checkpoint at step {start} (one every"
            f" --every={args.every} steps)")
   cooled = {k: cool(stable, k, args, extra) for k in starts}
-  results = {k: {mode: headroom.run_accuracies(run, mode) for mode in MODES}
-             for k, run in cooled.items()}
+  try:
+    results = {k: {mode: headroom.run_accuracies(run, mode) for mode in MODES}
+               for k, run in cooled.items()}
+  except UserError as e:
+    fail(str(e))
   title = (f"Base cooled for {args.decay} steps from a constant-rate run"
            f" ({args.config}{' ' + ' '.join(extra) if extra else ''})")
   report = "\n\n".join([f"# {title}", "Greedy accuracy:",

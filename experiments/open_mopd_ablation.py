@@ -32,12 +32,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import subprocess
-import sys
 
 import numpy as np
 
+from mopd_jax import launch
 from mopd_jax.data.domains import TRAIN_DOMAINS
+from mopd_jax.errors import UserError, fail
 from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import figures, headroom
 from mopd_jax.fusion.mopd import parse_teachers
@@ -58,21 +58,16 @@ def train(variant: str, seed: int, args, extra) -> str:
   ``seed``; returns its workdir."""
   name = run_name(variant, seed)
   workdir = os.path.join(args.out, name)
-  cmd = [sys.executable, "-m", "mopd_jax.train",
-         f"--config={ROOT}/configs/mopd.py{args.config_variant}",
+  cmd = [f"--config={ROOT}/configs/mopd.py{args.config_variant}",
          f"--workdir={workdir}",
          f"--config.init={args.base}", f"--config.teachers={args.teachers}",
          f"--config.train.steps={args.steps}", f"--config.seed={seed}"]
   cmd += [f"--config.open_mopd.{m}=True" for m in VARIANTS[variant]]
-  print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-  if args.jobs == 1:
-    subprocess.run(cmd + list(extra), check=True)
-    return workdir
+  print(f"== {name}: {' '.join(cmd)}", flush=True)
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, f"{name}.log"), "a") as log:
-    if subprocess.run(cmd + list(extra), stdout=log,
-                      stderr=subprocess.STDOUT).returncode:
-      sys.exit(f"{name}: training failed, see {log.name}")
+  launch.train(cmd + list(extra),
+               None if args.jobs == 1 else os.path.join(args.out,
+                                                        f"{name}.log"))
   return workdir
 
 
@@ -150,8 +145,6 @@ def main(argv=None):
                       " domain (0: use the runs' own final evaluation)")
   args, extra = parser.parse_known_args(argv)
   extra = [a for a in extra if a != "--"]
-  domains = TRAIN_DOMAINS
-  dirs = parse_teachers(args.teachers, domains)
   variants = args.variants.split(",")
   for variant in variants:
     if variant not in VARIANTS:
@@ -162,6 +155,17 @@ def main(argv=None):
   except ValueError:
     parser.error(f"--seeds: {args.seeds!r} is not a comma-separated list of"
                  " integers")
+  try:
+    ablation(args, extra, variants, seeds)
+  except UserError as e:
+    fail(str(e))
+
+
+def ablation(args, extra, variants: list[str], seeds: list[int]) -> None:
+  """Trains every variant and seed, evaluates them, and writes the table,
+  the JSON and the chart into ``args.out``."""
+  domains = TRAIN_DOMAINS
+  dirs = parse_teachers(args.teachers, domains)
   runs = [(v, s) for v in variants for s in seeds]
   with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
     workdirs = list(pool.map(lambda r: train(*r, args, extra), runs))

@@ -64,3 +64,24 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
   assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   for run in (base, out / "plain", out / "all", out / "all_seed3"):
     assert (run / "eval_8.json").exists(), run
+
+
+def _ablation(tmp_path, *args):
+  return subprocess.run(
+      [sys.executable, f"{ROOT}/experiments/open_mopd_ablation.py",
+       f"--base={tmp_path}/base", f"--out={tmp_path}/out", *args],
+      capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def test_bad_teachers_and_failed_runs_are_one_line(tmp_path):
+  result = _ablation(tmp_path, "--teachers=runs/expert")
+  assert result.returncode == 2
+  assert result.stderr.count("\n") == 1 and "teachers" in result.stderr
+  result = _ablation(tmp_path, f"--teachers={tmp_path}/{{domain}}",
+                     "--variants=plain", "--", "--config.no_such_field=1")
+  assert result.returncode == 2
+  assert "Traceback" not in result.stderr
+  assert result.stderr.splitlines()[-1].startswith(
+      "error: training run failed (exit 2): --workdir=")
+  assert "no_such_field: unknown field" in result.stderr
