@@ -86,8 +86,11 @@ def test_resuming_with_another_model_is_refused(smoke_run, tmp_path,
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"model": {"vocab_size": 100}}, "has a vocabulary of 100 tokens"),
-    ({"tokenizer": "char:0123456789abcdef"}, "another tokenizer")])
+    ({"model": {"vocab_size": 100}}, "init: {init} has a vocabulary of 100"),
+    ({"tokenizer": "char:0123456789abcdef"}, "init: {init} was trained with"
+     " another tokenizer"),
+    ({"model": {"n_experts": 4}}, "{init}/config.json: model.n_experts:"
+     " unknown field")])
 def test_init_run_with_other_token_ids_is_refused(smoke_run, tmp_path,
                                                   cached_env, change, needle):
   init = tmp_path / "init"
@@ -103,7 +106,7 @@ def test_init_run_with_other_token_ids_is_refused(smoke_run, tmp_path,
        f"--config.init={init}"], capture_output=True, text=True, timeout=300,
       env=cached_env, cwd=ROOT)
   line = _one_line_error(result)
-  assert line.startswith("error: init:") and needle in line, line
+  assert line.startswith("error: " + needle.format(init=init)), line
 
 
 def test_diverging_run_stops_with_exit_2(tmp_path, data_dir, cached_env):

@@ -3,6 +3,7 @@ domain data, parameters (fresh or from an earlier run) and evaluation."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Sequence
@@ -18,6 +19,7 @@ from mopd_jax.data.jsonl import load_jsonl
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.evaluation import accuracy
 from mopd_jax.models import decoder
+from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
 
 CONFIG_FILE = "config.json"
@@ -45,6 +47,10 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
     raise CheckpointError(f"{path}: unreadable ({e})") from None
   if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
     raise CheckpointError(f"{path}: not a run config (no model section)")
+  unknown = sorted(set(saved["model"]) - {
+      f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    raise CheckpointError(f"{path}: model.{unknown[0]}: unknown field")
   return ml_collections.ConfigDict(saved)
 
 
