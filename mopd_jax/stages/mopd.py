@@ -85,12 +85,14 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
     clip_args = (rl_cfg.eps_low, rl_cfg.eps_high, rl_cfg.dual_clip,
                  mb.get("behaviour_logp"), rl_cfg.tis_cap)
     metrics = {}
+    full_kl = (routed(kl) if opd_cfg.loss == "kl"
+               or opd_cfg.entropy_threshold > 0 else None)
     if opd_cfg.loss == "pg":
       per_token, clipped = grpo.clipped_policy_loss(
           logp, mb["old_logp"], gate * signal + outcome, *clip_args)
     else:
       if opd_cfg.loss == "kl":
-        dense = routed(kl).mix(opd_cfg.kl_alpha)
+        dense = full_kl.mix(opd_cfg.kl_alpha)
       else:
         top_logp, ids = vocab.topk_logprobs(
             stats["h"], stats["w"], opd_cfg.top_k, mask=mb["mask"],
@@ -106,7 +108,7 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
     if opd_cfg.entropy_threshold > 0:
       per_token = per_token + jnp.where(
           mb["teacher_entropy"] > opd_cfg.entropy_threshold,
-          routed(kl).forward, 0.0)
+          full_kl.forward, 0.0)
     per_token = per_token * mb["weight"][:, None]
     mask = mb["mask"] * mb["keep"][:, None]
     metrics = {k: masked_sum_count(v, mask) for k, v in metrics.items()}
@@ -179,8 +181,7 @@ def run(config, workdir: str):
   rollouts = rl.Rollouts(config, tokenizer, model_cfg, mesh, names, sampling)
   router = mopd.ROUTERS[opd_cfg.router](names, teachers)
   params = common.load_params(config.init, model_cfg, mesh)
-  needs_base = (rl_cfg.beta > 0 or opd_cfg.extrapolation != 1.0
-                or opd_cfg.proxy_teacher)
+  needs_base = rl_cfg.beta > 0 or opd_cfg.extrapolation != 1.0
   # A copy: the student's own buffers are donated to every update.
   base_params = jax.tree.map(jnp.copy, params) if needs_base else None
   student_init = (mopd.Model(model_cfg, common.load_params(
@@ -233,7 +234,8 @@ def run(config, workdir: str):
     rollouts.add_policy_inputs(data, state["params"], base_params)
 
     mask = data["mask"].astype(bool)
-    signal = np.where(mask, data["teacher_logp"] - data["old_logp"], 0.0)
+    signal = np.where(mask, opd.token_signal(data["teacher_logp"],
+                                             data["old_logp"]), 0.0)
     token_domain = np.broadcast_to(seq_ids[:, None], mask.shape)[mask]
     gap_state = mopd.update_gap_state(
         state["gap"], *mopd.gap_observations(signal, mask, seq_ids,
