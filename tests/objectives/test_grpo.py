@@ -87,7 +87,7 @@ def test_informative_groups():
 
 def _np_policy_loss(logp, old, adv, el, eh, c, beh, cap):
   ratio = np.exp(logp - old)
-  a = adv[:, None]
+  a = adv[:, None] if adv.ndim == 1 else adv
   s1, s2 = ratio * a, np.clip(ratio, 1 - el, 1 + eh) * a
   loss = -np.minimum(s1, s2)
   if c:
@@ -97,14 +97,17 @@ def _np_policy_loss(logp, old, adv, el, eh, c, beh, cap):
   return loss, (s2 < s1).astype(float)
 
 
+@pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("dual_clip, cap", [(0.0, 0.0), (3.0, 0.0),
                                             (0.0, 2.0), (3.0, 2.0)])
-def test_clipped_policy_loss(dual_clip, cap):
+def test_clipped_policy_loss(dual_clip, cap, per_token):
+  """Per-sequence [B] advantages (GRPO) and per-token [B, T] ones (MOPD's
+  sampled-token signal)."""
   B, T = 6, 7
   old = RNG.normal(-1.5, 0.5, (B, T))
   logp = old + RNG.normal(0, 0.6, (B, T))  # ratios well outside the clip
   beh = old + RNG.normal(0, 0.3, (B, T))
-  adv = RNG.normal(0, 2, B)
+  adv = RNG.normal(0, 2, (B, T) if per_token else B)
   loss, clipped = grpo.clipped_policy_loss(
       jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), 0.2, 0.28,
       dual_clip, jnp.asarray(beh), cap)

@@ -331,3 +331,26 @@ def test_cli_teacher_with_another_vocabulary_is_one_line(smoke_run, tmp_path):
   assert result.returncode == 2, result.stderr[-2000:]
   lines = [x for x in result.stderr.splitlines() if x.strip()]
   assert len(lines) == 1 and "vocabulary of 60 tokens" in lines[0], lines
+
+
+@pytest.mark.parametrize("token_share, power, steers, want", [
+    # shares (0.1, 0.3, 0.6), uniform targets: 1/(3 share) = (10/3, 10/9,
+    # 5/9); times the gap factors (1, 2, 0.5) = (10/3, 20/9, 5/18), whose
+    # token-weighted mean is 7/6: divided by it.
+    (True, 1.0, "loss", [20 / 7, 40 / 21, 5 / 21]),
+    # (1/(3 share))^0.5 = (1.8257, 1.0541, 0.7454), times the gap factors.
+    (True, 0.5, "both", np.array([1.8257419, 2.1081851, 0.3726780])
+     / ((18.257419 + 63.245553 + 22.360680) / 100)),
+    # The gap steers only the sampling: no loss weight at all.
+    (False, 1.0, "sampling", [1.0, 1.0, 1.0]),
+    # The gap factors alone: (1, 2, 0.5) over their token mean 0.1+0.6+0.3.
+    (False, 1.0, "loss", [1.0, 2.0, 0.5])])
+def test_domain_loss_weights_hand_computed(token_share, power, steers, want):
+  om = config_lib.defaults("mopd").open_mopd
+  om.update(token_share=token_share, token_share_power=power, gap_budget=True,
+            gap_steers=steers)
+  tokens = np.array([10.0, 30.0, 60.0])
+  got = mopd_stage.domain_loss_weights(tokens, np.array([1.0, 2.0, 0.5]), om,
+                                       3)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_allclose(np.sum(got * tokens) / tokens.sum(), 1.0)

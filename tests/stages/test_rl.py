@@ -3,6 +3,7 @@ raise the mean reward of an easy task within a few steps; the mixture follows
 its equations; the CLI trains an expert and Mix RL from a base run."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,6 +79,43 @@ def test_fixed_and_adaptive_proportions():
   np.testing.assert_allclose(state["signal"][1], 0.72, rtol=1e-6)
   np.testing.assert_allclose(
       mixture.proportions(base, state, False, 0.5, 0.05), base)
+
+
+def test_adaptive_exploration_bonus_hand_computed():
+  """``u_d = s_d + c sqrt(ln(1 + N) / (1 + n_d))``: with counts (3, 0, 1),
+  N = 4, the unseen domain gets the largest bonus."""
+  base = np.array([0.5, 0.25, 0.25])
+  state = dict(count=np.array([3.0, 0.0, 1.0]),
+               signal=np.array([0.2, 0.0, 0.1]))
+  c, floor = 0.5, 0.1
+  u = np.array([0.2 + c * math.sqrt(math.log(5) / 4),
+                0.0 + c * math.sqrt(math.log(5) / 1),
+                0.1 + c * math.sqrt(math.log(5) / 2)])
+  raw = base * u / np.sum(base * u)
+  np.testing.assert_allclose(
+      mixture.proportions(base, state, True, c, floor),
+      floor + (1 - 3 * floor) * raw, rtol=1e-9)
+  # Without the bonus the unseen domain (no signal yet) is held at the floor.
+  np.testing.assert_allclose(
+      mixture.proportions(base, state, True, 0.0, floor)[1], floor,
+      rtol=1e-9)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_rollout_batch_drops_only_all_equal_groups(drop):
+  rl = config_lib.defaults("grpo").rl
+  rl.update(group_size=2, drop_equal_groups=drop, advantage="drgrpo")
+  rewards = np.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], np.float32)
+  mask = np.zeros((6, 12), np.float32)
+  mask[:, :3] = 1.0
+  rollout = sampler.Rollout(np.ones((6, 12), np.int32),
+                            np.zeros((6, 12), np.float32), mask)
+  data, _ = rl_stage.rollout_batch(rollout, np.zeros((6, 4), np.int32),
+                                   np.ones((6, 4), np.float32), rewards, rl)
+  np.testing.assert_array_equal(
+      data["keep"], [0, 0, 1, 1, 0, 0] if drop else np.ones(6))
+  np.testing.assert_allclose(data["advantages"], [0, 0, -0.5, 0.5, 0, 0])
+  assert data["mask"].shape == (6, 8)  # trimmed to the used columns, x8
 
 
 def _train(*args, env=None):
