@@ -3,6 +3,7 @@ of two sizes, routed), the reward refresh, distillation closing the gap to a
 teacher, and the CLI end to end."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -315,6 +316,24 @@ def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
   # Teachers equal to the base leave no headroom: nothing to divide by.
   assert json.load(open(run / "headroom.json")) == {
       "greedy": {"mean": 0.0}, "sampled": {"mean": 0.0}}
+  if "--config.open_mopd.gap_budget=True" in extra:
+    # Resumed from step 2 (as after a kill before the last checkpoint), the
+    # run restores the gap-budget state and ends identical.
+    summary = json.load(open(run / "summary.json"))
+    shutil.rmtree(run / "ckpt" / "4")
+    result = _train(f"--config={ROOT}/configs/mopd.py:smoke",
+                    f"--workdir={run}", f"--config.init={base}",
+                    f"--config.teachers={teachers}",
+                    f"--config.data.data_dir={data_dir}", *extra,
+                    env=cached_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from step 2" in result.stdout + result.stderr
+    assert json.load(open(run / "summary.json"))["params_sha256"] == (
+        summary["params_sha256"])
+    again = [json.loads(l) for l in open(run / "metrics.jsonl")]
+    for r in records + again:
+      r.pop("steps_per_sec", None)
+    assert again == records
 
 
 def test_cli_teacher_with_another_vocabulary_is_one_line(smoke_run, tmp_path):
