@@ -46,8 +46,10 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
   routed ``teacher_id`` and the per-sequence loss ``weight`` (Open-MOPD).
   ``teacher_w`` [teachers, D, V] stacks the teachers' unembeddings (zero
   rows pad a smaller hidden size: the logits are unchanged); every
-  full-vocabulary term runs once per teacher over only its rows (the fused
-  ops give masked rows 0).
+  full-vocabulary term runs once per teacher with only that teacher's rows
+  unmasked (the fused ops give masked rows 0 but still compute them: J
+  unembedding passes over the minibatch, against one transformer forward
+  per teacher over its own rows, done before, in ``mopd.score``).
 
   With ``a_t = log T(y_t) - log pi(y_t)`` (``pi`` the current student under
   ``refresh``, else the rollout-time one), per token:
