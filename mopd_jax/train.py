@@ -77,6 +77,11 @@ def _flag_error(error: Exception, argv) -> str:
     hint = re.search(r'Did you mean "([^"]+)"', text)
     return f"{path}: unknown field" + (
         f" (did you mean {hint.group(1)!r}?)" if hint else "")
+  if "Traceback (most recent call last)" in text:
+    # A config file's get_config raised: its message, without the trace.
+    head = text.split(": Error whilst parsing config file", 1)[0]
+    last = [l.strip() for l in text.splitlines() if l.strip()][-1]
+    return f"{head}: {last}"
   return " ".join(text.split()) or type(error).__name__
 
 

@@ -91,6 +91,15 @@ def test_cli_missing_config_file(tmp_path):
   assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_cli_unknown_config_variant(tmp_path):
+  result = _cli(f"--config={ROOT}/configs/mopd.py:opne",
+                f"--workdir={tmp_path}")
+  assert result.returncode == 2
+  assert result.stderr.strip() == (
+      f"error: flag --config={ROOT}/configs/mopd.py:opne: ValueError: unknown"
+      " variant 'opne' of configs/mopd.py")
+
+
 def test_cli_unwritable_workdir(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
