@@ -28,6 +28,16 @@ def load_experiment(name: str):
   return module
 
 
+def train_cli(*args, env=None, timeout=300):
+  """``python -m mopd_jax.train *args`` run from the repository root, its
+  output captured."""
+  import subprocess
+  import sys
+  return subprocess.run([sys.executable, "-m", "mopd_jax.train", *args],
+                        capture_output=True, text=True, timeout=timeout,
+                        env=env, cwd=ROOT)
+
+
 def pretrain_smoke_command(workdir, data_dir):
   import sys
   return [sys.executable, "-m", "mopd_jax.train",

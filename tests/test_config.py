@@ -2,15 +2,14 @@
 flag errors, bad domains, unwritable workdirs) into one line and exit 2."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
+from conftest import ROOT, train_cli
 from mopd_jax import config as config_lib
 from mopd_jax.errors import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "pretrain.py") + ":smoke"
 
 
@@ -62,13 +61,6 @@ def test_wrong_type_is_named():
     config_lib.validate(cfg)
 
 
-def _cli(*args, env=None):
-  return subprocess.run(
-      [sys.executable, "-m", "mopd_jax.train", *args],
-      capture_output=True, text=True, cwd=ROOT, timeout=120,
-      env=env or os.environ)
-
-
 @pytest.mark.parametrize("override, needle", [
     ("--config.train.stepz=3", "train.stepz: unknown field"),
     ("--config.trainn.steps=3", "trainn: unknown field"),
@@ -77,8 +69,8 @@ def _cli(*args, env=None):
     ("--config.data.domains=('add','poetry')", "poetry"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, override, needle):
-  result = _cli(f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}", override,
-                f"--config.data.data_dir={tmp_path / 'd'}")
+  result = train_cli(f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}",
+                     override, f"--config.data.data_dir={tmp_path / 'd'}")
   assert result.returncode == 2, result.stderr
   lines = [l for l in result.stderr.splitlines() if l.strip()]
   assert len(lines) == 1 and needle in lines[0], result.stderr
@@ -86,14 +78,15 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, override, needle):
 
 
 def test_cli_missing_config_file(tmp_path):
-  result = _cli(f"--config={tmp_path / 'nope.py'}", f"--workdir={tmp_path}")
+  result = train_cli(f"--config={tmp_path / 'nope.py'}",
+                     f"--workdir={tmp_path}")
   assert result.returncode == 2 and "nope.py" in result.stderr
   assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_cli_unknown_config_variant(tmp_path):
-  result = _cli(f"--config={ROOT}/configs/mopd.py:opne",
-                f"--workdir={tmp_path}")
+  result = train_cli(f"--config={ROOT}/configs/mopd.py:opne",
+                     f"--workdir={tmp_path}")
   assert result.returncode == 2
   assert result.stderr.strip() == (
       f"error: flag --config={ROOT}/configs/mopd.py:opne: ValueError: unknown"
@@ -103,7 +96,7 @@ def test_cli_unknown_config_variant(tmp_path):
 def test_cli_unwritable_workdir(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
-  result = _cli(f"--config={SMOKE}", f"--workdir={blocker / 'run'}")
+  result = train_cli(f"--config={SMOKE}", f"--workdir={blocker / 'run'}")
   assert result.returncode == 2
   assert "workdir" in result.stderr and "Traceback" not in result.stderr
   assert blocker.read_text() == "not a directory"
@@ -113,9 +106,9 @@ def test_cli_malformed_eval_jsonl_names_file_and_line(tmp_path, data_dir):
   path = tmp_path / "eval.jsonl"
   path.write_text('{"prompt": "add 1+2=", "answer": "3", "domain": "add"}\n'
                   '{"prompt": "add 1+2=", "answer": 3, "domain": "add"}\n')
-  result = _cli(f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}",
-                f"--config.data.data_dir={data_dir}",
-                f"--config.data.eval_jsonl={path}")
+  result = train_cli(f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}",
+                     f"--config.data.data_dir={data_dir}",
+                     f"--config.data.eval_jsonl={path}")
   assert result.returncode == 2
   assert f"{path}:2: field 'answer'" in result.stderr
   assert "Traceback" not in result.stderr

@@ -4,8 +4,6 @@ teacher, and the CLI end to end."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, train_cli
 from mopd_jax import config as config_lib
 from mopd_jax import parallel
 from mopd_jax.data import batching
@@ -270,11 +268,6 @@ def test_distillation_closes_the_gap_to_a_teacher():
   assert np.mean(curve[-3:]) < 0.5 * np.mean(curve[:3]), curve
 
 
-def _train(*args, env=None):
-  return subprocess.run([sys.executable, "-m", "mopd_jax.train", *args],
-                        capture_output=True, text=True, timeout=300, env=env)
-
-
 @pytest.mark.parametrize("extra", [
     ("--config.opd.loss=pg", "--config.open_mopd.token_share=True",
      "--config.open_mopd.gap_budget=True",
@@ -291,16 +284,18 @@ def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
                                    cached_env):
   base = smoke_run[0]
   run = tmp_path / "mopd"
-  result = _train(f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
-                  f"--config.init={base}", f"--config.teachers=add={base}",
-                  f"--config.data.data_dir={data_dir}", *extra)
+  result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
+                     f"--workdir={run}",
+                     f"--config.init={base}", f"--config.teachers=add={base}",
+                     f"--config.data.data_dir={data_dir}", *extra)
   assert result.returncode == 2 and "no teacher for domain" in result.stderr
   teachers = ",".join(f"{d}={base}" for d in ("add", "chain", "instruct",
                                                 "sort"))
-  result = _train(f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
-                  f"--config.init={base}", f"--config.teachers={teachers}",
-                  f"--config.data.data_dir={data_dir}", *extra,
-                  env=cached_env)
+  result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
+                     f"--workdir={run}",
+                     f"--config.init={base}", f"--config.teachers={teachers}",
+                     f"--config.data.data_dir={data_dir}", *extra,
+                     env=cached_env)
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
   step = records[0]
@@ -321,11 +316,11 @@ def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
     # run restores the gap-budget state and ends identical.
     summary = json.load(open(run / "summary.json"))
     shutil.rmtree(run / "ckpt" / "4")
-    result = _train(f"--config={ROOT}/configs/mopd.py:smoke",
-                    f"--workdir={run}", f"--config.init={base}",
-                    f"--config.teachers={teachers}",
-                    f"--config.data.data_dir={data_dir}", *extra,
-                    env=cached_env)
+    result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
+                       f"--workdir={run}", f"--config.init={base}",
+                       f"--config.teachers={teachers}",
+                       f"--config.data.data_dir={data_dir}", *extra,
+                       env=cached_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from step 2" in result.stdout + result.stderr
     assert json.load(open(run / "summary.json"))["params_sha256"] == (
@@ -344,9 +339,9 @@ def test_cli_teacher_with_another_vocabulary_is_one_line(smoke_run, tmp_path):
   saved["model"]["vocab_size"] = 60
   json.dump(saved, open(odd / "config.json", "w"))
   teachers = f"add={odd},chain={base},instruct={base},sort={base}"
-  result = _train(f"--config={ROOT}/configs/mopd.py:smoke",
-                  f"--workdir={tmp_path / 'w'}", f"--config.init={base}",
-                  f"--config.teachers={teachers}")
+  result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
+                     f"--workdir={tmp_path / 'w'}", f"--config.init={base}",
+                     f"--config.teachers={teachers}")
   assert result.returncode == 2, result.stderr[-2000:]
   lines = [x for x in result.stderr.splitlines() if x.strip()]
   assert len(lines) == 1 and "vocabulary of 60 tokens" in lines[0], lines

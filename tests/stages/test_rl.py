@@ -5,15 +5,13 @@ its equations; the CLI trains an expert and Mix RL from a base run."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, train_cli
 from mopd_jax import config as config_lib
 from mopd_jax.data import batching, mixture
 from mopd_jax.models import decoder
@@ -118,11 +116,6 @@ def test_rollout_batch_drops_only_all_equal_groups(drop):
   assert data["mask"].shape == (6, 8)  # trimmed to the used columns, x8
 
 
-def _train(*args, env=None):
-  return subprocess.run([sys.executable, "-m", "mopd_jax.train", *args],
-                        capture_output=True, text=True, timeout=300, env=env)
-
-
 @pytest.mark.parametrize("config, extra", [
     ("grpo", ()), ("mix_rl", ()),
     ("grpo", ("--config.rl.beta=0.1", "--config.rl.tis_cap=2.0"))])
@@ -130,10 +123,10 @@ def test_cli_trains_from_the_base_run(smoke_run, tmp_path, data_dir, config,
                                       extra, cached_env):
   base = smoke_run[0]
   run = tmp_path / config
-  result = _train(f"--config={ROOT}/configs/{config}.py:smoke",
-                  f"--workdir={run}", f"--config.init={base}",
-                  f"--config.data.data_dir={data_dir}", *extra,
-                  env=cached_env)
+  result = train_cli(f"--config={ROOT}/configs/{config}.py:smoke",
+                     f"--workdir={run}", f"--config.init={base}",
+                     f"--config.data.data_dir={data_dir}", *extra,
+                     env=cached_env)
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
   step = records[0]
@@ -152,11 +145,11 @@ def test_cli_trains_from_the_base_run(smoke_run, tmp_path, data_dir, config,
 
 
 def test_cli_missing_init_is_one_line(tmp_path):
-  result = _train(f"--config={ROOT}/configs/grpo.py:smoke",
-                  f"--workdir={tmp_path / 'w'}",
-                  f"--config.init={tmp_path / 'nowhere'}")
+  result = train_cli(f"--config={ROOT}/configs/grpo.py:smoke",
+                     f"--workdir={tmp_path / 'w'}",
+                     f"--config.init={tmp_path / 'nowhere'}")
   assert result.returncode == 2
   assert "nowhere" in result.stderr and "Traceback" not in result.stderr
-  result = _train(f"--config={ROOT}/configs/grpo.py:smoke",
-                  f"--workdir={tmp_path / 'w'}")
+  result = train_cli(f"--config={ROOT}/configs/grpo.py:smoke",
+                     f"--workdir={tmp_path / 'w'}")
   assert result.returncode == 2 and result.stderr.startswith("error: init:")
