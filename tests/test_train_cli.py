@@ -90,7 +90,8 @@ def test_resuming_with_another_model_is_refused(smoke_run, tmp_path,
     ({"tokenizer": "char:0123456789abcdef"}, "init: {init} was trained with"
      " another tokenizer"),
     ({"model": {"n_experts": 4}}, "{init}/config.json: model.n_experts:"
-     " unknown field")])
+     " unknown field"),
+    ({"tokenizer": ""}, "init: {init} records no tokenizer")])
 def test_init_run_with_other_token_ids_is_refused(smoke_run, tmp_path,
                                                   cached_env, change, needle):
   init = tmp_path / "init"

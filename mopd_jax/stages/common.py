@@ -56,16 +56,20 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
 
 def check_same_tokens(run_dir: str, run_config, tokenizer, field: str) -> None:
   """The run in ``run_dir`` (its ``run_config``) must share ``tokenizer``'s
-  token ids: the same vocabulary size and, where the run recorded one, the
-  same tokenizer fingerprint. ``field`` names the config field that points
-  to the run."""
+  token ids: the same vocabulary size and the same tokenizer fingerprint
+  (a run that recorded none cannot be checked, and is refused). ``field``
+  names the config field that points to the run."""
   vocab = run_config.model.get("vocab_size")
   if vocab != tokenizer.vocab_size:
     raise CheckpointError(
         f"{field}: {run_dir} has a vocabulary of {vocab} tokens, this run's"
         f" tokenizer {tokenizer.vocab_size}")
   recorded = run_config.get("tokenizer", "")
-  if recorded and recorded != tokenizer.fingerprint():
+  if not recorded:
+    raise CheckpointError(f"{field}: {run_dir} records no tokenizer in its"
+                          f" {CONFIG_FILE}, so its token ids cannot be"
+                          " checked")
+  if recorded != tokenizer.fingerprint():
     raise CheckpointError(f"{field}: {run_dir} was trained with another"
                           f" tokenizer ({recorded} != "
                           f"{tokenizer.fingerprint()})")
