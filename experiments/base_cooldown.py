@@ -103,6 +103,15 @@ def main(argv=None):
   except ValueError:
     fail(f"--starts: {args.starts!r} is not a comma-separated list of"
          " integers")
+  try:
+    sweep(args, extra, starts)
+  except UserError as e:
+    fail(str(e))
+
+
+def sweep(args, extra, starts: list[int]) -> None:
+  """Trains the constant-rate run and every cool-down, and writes the
+  table, the JSON and the chart into ``args.out``."""
   stable = os.path.join(args.out, "stable")
   train(stable, ["--config.optim.end_lr_fraction=1.0",
                  f"--config.train.steps={args.stable_steps}",
@@ -112,18 +121,15 @@ def main(argv=None):
   warmup = json.load(open(os.path.join(stable, "config.json")))[
       "optim"]["warmup_steps"]
   if starts[0] < warmup:
-    fail(f"--starts: {starts[0]} is inside the warm-up ({warmup} steps),"
-         " where the two schedules differ")
+    raise UserError(f"--starts: {starts[0]} is inside the warm-up ({warmup}"
+                    " steps), where the two schedules differ")
   for start in starts:
     if not os.path.isdir(os.path.join(stable, "ckpt", str(start))):
-      fail(f"--starts: {stable} has no checkpoint at step {start} (one every"
-           f" --every={args.every} steps)")
+      raise UserError(f"--starts: {stable} has no checkpoint at step {start}"
+                      f" (one every --every={args.every} steps)")
   cooled = {k: cool(stable, k, args, extra) for k in starts}
-  try:
-    results = {k: {mode: headroom.run_accuracies(run, mode) for mode in MODES}
-               for k, run in cooled.items()}
-  except UserError as e:
-    fail(str(e))
+  results = {k: {mode: headroom.run_accuracies(run, mode) for mode in MODES}
+             for k, run in cooled.items()}
   title = (f"Base cooled for {args.decay} steps from a constant-rate run"
            f" ({args.config}{' ' + ' '.join(extra) if extra else ''})")
   report = "\n\n".join([f"# {title}", "Greedy accuracy:",

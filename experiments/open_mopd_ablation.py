@@ -66,9 +66,27 @@ def train(variant: str, seed: int, args, extra) -> str:
   print(f"== {name}: {' '.join(cmd)}", flush=True)
   os.makedirs(args.out, exist_ok=True)
   launch.train(cmd + list(extra),
-               None if args.jobs == 1 else os.path.join(args.out,
+               None if args.jobs <= 1 else os.path.join(args.out,
                                                         f"{name}.log"))
   return workdir
+
+
+def train_all(runs: list[tuple[str, int]], args, extra) -> list[str]:
+  """The workdirs of ``runs`` ((variant, seed) pairs), trained
+  ``args.jobs`` at a time. The first failure stops the ablation: runs not
+  yet started are not started (those in flight finish first)."""
+  if args.jobs <= 1:
+    return [train(*r, args, extra) for r in runs]
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    futures = [pool.submit(train, *r, args, extra) for r in runs]
+    done, pending = concurrent.futures.wait(
+        futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    for future in pending:
+      future.cancel()
+    for future in futures:
+      if future in done and future.exception() is not None:
+        raise future.exception()
+    return [future.result() for future in futures]
 
 
 def over_seeds(reports: list[dict]) -> dict:
@@ -167,8 +185,7 @@ def ablation(args, extra, variants: list[str], seeds: list[int]) -> None:
   domains = TRAIN_DOMAINS
   dirs = parse_teachers(args.teachers, domains)
   runs = [(v, s) for v in variants for s in seeds]
-  with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
-    workdirs = list(pool.map(lambda r: train(*r, args, extra), runs))
+  workdirs = train_all(runs, args, extra)
   eval_file = headroom.EVAL_FILE
   if args.eval_prompts:
     eval_file = eval_file_name(args.eval_prompts)
@@ -176,8 +193,13 @@ def ablation(args, extra, variants: list[str], seeds: list[int]) -> None:
       if not os.path.exists(os.path.join(run, eval_file)):
         evaluate_run(run, args.eval_prompts, TRAIN_DOMAINS)
   reports = {r: headroom.report(headroom.final_scalars(w, eval_file),
-                                args.base, dirs, eval_file)
+                                args.base, dirs, eval_file,
+                                os.path.join(w, eval_file))
              for r, w in zip(runs, workdirs)}
+  for (variant, seed), r in reports.items():
+    if set(r) != {"greedy", "sampled"}:
+      raise UserError(f"{run_name(variant, seed)}: the table needs greedy and"
+                      " sampled evaluations (eval.greedy=True)")
   results = {v: dict(over_seeds([reports[v, s] for s in seeds]),
                     per_seed={s: reports[v, s] for s in seeds})
              for v in variants}

@@ -5,14 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from mopd_jax.errors import fail
+from mopd_jax.errors import UserError
 
 
 def train(args: list[str], log_path: str | None = None) -> None:
-  """Runs ``python -m mopd_jax.train *args`` to the end (printing to the
-  caller's output, or appending to ``log_path``). A failed run stops the
-  caller too, with one line and exit code 2; the run's own one-line error
-  is printed above it (or in the log)."""
+  """Runs ``python -m mopd_jax.train *args`` to the end, printing to the
+  caller's output or appending to ``log_path``. A failed run raises a
+  ``UserError`` naming its workdir; the run's own one-line error is
+  printed before it (or is the last line of the log)."""
   cmd = [sys.executable, "-m", "mopd_jax.train", *args]
   if log_path is None:
     code = subprocess.run(cmd).returncode
@@ -21,6 +21,7 @@ def train(args: list[str], log_path: str | None = None) -> None:
       code = subprocess.run(cmd, stdout=log,
                             stderr=subprocess.STDOUT).returncode
   if code:
-    where = f", see {log_path}" if log_path else ""
-    fail(f"training run failed (exit {code}{where}): "
-         + " ".join(a for a in args if a.startswith("--workdir")))
+    workdir = next((a.split("=", 1)[1] for a in args
+                    if a.startswith("--workdir=")), "?")
+    raise UserError(f"{workdir}: training failed (exit {code}"
+                    + (f", see {log_path})" if log_path else ", error above)"))

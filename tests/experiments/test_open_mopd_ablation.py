@@ -74,14 +74,27 @@ def _ablation(tmp_path, *args):
       env=dict(os.environ, PYTHONPATH=ROOT))
 
 
-def test_bad_teachers_and_failed_runs_are_one_line(tmp_path):
+def test_bad_teachers_and_failed_runs_stop_with_exit_2(tmp_path):
   result = _ablation(tmp_path, "--teachers=runs/expert")
   assert result.returncode == 2
   assert result.stderr.count("\n") == 1 and "teachers" in result.stderr
+  # Two runs one at a time: the first fails (its own one-line error, then
+  # the ablation's), and the second is never started.
   result = _ablation(tmp_path, f"--teachers={tmp_path}/{{domain}}",
-                     "--variants=plain", "--", "--config.no_such_field=1")
+                     "--variants=plain,all", "--", "--config.no_such_field=1")
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  assert result.stderr.splitlines() == [
+      "error: no_such_field: unknown field",
+      f"error: {tmp_path}/out/plain: training failed (exit 2, error above)"]
+  assert "== all" not in result.stdout
+  # Two at a time: each run's output goes to its log, and the first failure
+  # is the ablation's one line.
+  result = _ablation(tmp_path, f"--teachers={tmp_path}/{{domain}}",
+                     "--variants=plain,all", "--jobs=2", "--",
+                     "--config.no_such_field=1")
   assert result.returncode == 2
-  assert "Traceback" not in result.stderr
-  assert result.stderr.splitlines()[-1].startswith(
-      "error: training run failed (exit 2): --workdir=")
-  assert "no_such_field: unknown field" in result.stderr
+  line, = result.stderr.splitlines()
+  assert line.startswith(f"error: {tmp_path}/out/") and line.endswith(
+      ".log)"), line
+  assert "no_such_field: unknown field" in (
+      tmp_path / "out" / "plain.log").read_text()
