@@ -156,6 +156,9 @@ def test_cli_mopd_with_two_teachers_on_a_sharded_mesh(smoke_run, tmp_path,
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
   assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
   assert os.path.exists(run / "summary.json")
+  # Headroom on the evaluated domain and decoding mode only (teachers equal
+  # to the base: no headroom to divide by).
+  assert json.load(open(run / "headroom.json")) == {"sampled": {"mean": 0.0}}
 
 
 def test_only_process_zero_writes_files(tmp_path, monkeypatch):

@@ -68,19 +68,23 @@ def headroom_recovery(student: Mapping[str, float], base: Mapping[str, float],
 
 
 def report(scalars: Mapping[str, float], base_dir: str,
-           teacher_dirs: Mapping[str, str], eval_file: str = EVAL_FILE
-           ) -> dict:
-  """Headroom recovery of the evaluation ``scalars`` against the base run
-  and the oracle ensemble of ``teacher_dirs`` (their ``eval_file``), for
-  greedy and sampled decoding: ``{mode: {domain: recovery, "mean": ...}}``.
-  Raises ``CheckpointError`` naming the evaluation that lacks a domain."""
+           teacher_dirs: Mapping[str, str], eval_file: str = EVAL_FILE,
+           student_where: str = "the final evaluation") -> dict:
+  """Headroom recovery of the evaluation ``scalars`` (from
+  ``student_where``) against the base run and the oracle ensemble of
+  ``teacher_dirs`` (their ``eval_file``), for each decoding mode the
+  scalars hold (greedy, sampled): ``{mode: {domain: recovery, "mean":
+  ...}}``. Raises ``CheckpointError`` naming the evaluation that lacks a
+  domain."""
   out = {}
   for mode in ("greedy", "sampled"):
+    student = accuracies(scalars, mode)
+    if not student:
+      continue
     oracle = oracle_accuracies(teacher_dirs, mode, eval_file)
-    student, base = accuracies(scalars, mode), run_accuracies(
-        base_dir, mode, eval_file)
+    base = run_accuracies(base_dir, mode, eval_file)
     base_file = os.path.join(base_dir, eval_file)
     out[mode] = headroom_recovery(
-        {d: _domain(student, d, "the final evaluation", mode) for d in oracle},
+        {d: _domain(student, d, student_where, mode) for d in oracle},
         {d: _domain(base, d, base_file, mode) for d in oracle}, oracle)
   return out

@@ -150,8 +150,9 @@ def domain_loss_weights(tokens: np.ndarray, gap_f: np.ndarray, om,
 def write_headroom(workdir: str, scalars: dict, base_dir: str,
                    teacher_dirs: dict) -> None:
   """``<workdir>/headroom.json``: the final evaluation's headroom recovery
-  against the base run and the oracle ensemble, printed too; skipped with a
-  note when the base or a teacher has no final evaluation to compare with."""
+  on the evaluated domains against the base run and the oracle ensemble,
+  printed too; skipped with a note when the base or a teacher has no final
+  evaluation of a domain to compare with."""
   try:
     result = headroom.report(scalars, base_dir, teacher_dirs)
   except CheckpointError as e:
@@ -270,7 +271,8 @@ def run(config, workdir: str):
   def on_final(scalars):
     write_eval(scalars)
     write_headroom(workdir, scalars, config.init,
-                   {t.domain: t.run_dir for t in teachers})
+                   {t.domain: t.run_dir for t in teachers
+                    if t.domain in config.eval.domains})
 
   eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test_sets, mesh,
                                 on_final)
