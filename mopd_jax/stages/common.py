@@ -66,9 +66,10 @@ def check_same_tokens(run_dir: str, run_config, tokenizer, field: str) -> None:
         f" tokenizer {tokenizer.vocab_size}")
   recorded = run_config.get("tokenizer", "")
   if not recorded:
-    raise CheckpointError(f"{field}: {run_dir} records no tokenizer in its"
-                          f" {CONFIG_FILE}, so its token ids cannot be"
-                          " checked")
+    raise CheckpointError(
+        f"{field}: {run_dir} records no tokenizer in its {CONFIG_FILE}, so"
+        " its token ids cannot be checked (if it was trained with this"
+        f' tokenizer, add "tokenizer": "{tokenizer.fingerprint()}" there)')
   if recorded != tokenizer.fingerprint():
     raise CheckpointError(f"{field}: {run_dir} was trained with another"
                           f" tokenizer ({recorded} != "
