@@ -8,12 +8,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import matplotlib
 import pytest
 
-from conftest import ROOT, pretrain_smoke_command
+from conftest import ROOT, pretrain_smoke_command, train_cli
 
 
 def test_pretrain_smoke_writes_everything(smoke_run):
@@ -101,11 +100,9 @@ def test_init_run_with_other_token_ids_is_refused(smoke_run, tmp_path,
     saved[key] = dict(saved[key], **value) if isinstance(value, dict) else (
         value)
   (init / "config.json").write_text(json.dumps(saved))
-  result = subprocess.run(
-      [sys.executable, "-m", "mopd_jax.train",
-       f"--config={ROOT}/configs/grpo.py:smoke", f"--workdir={tmp_path / 'w'}",
-       f"--config.init={init}"], capture_output=True, text=True, timeout=300,
-      env=cached_env, cwd=ROOT)
+  result = train_cli(f"--config={ROOT}/configs/grpo.py:smoke",
+                     f"--workdir={tmp_path / 'w'}", f"--config.init={init}",
+                     env=cached_env)
   line = _one_line_error(result)
   assert line.startswith("error: " + needle.format(init=init)), line
 
