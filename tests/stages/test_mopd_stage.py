@@ -78,6 +78,13 @@ def _teacher_logits(teachers, data):
   return np.stack([zs[j][b] for b, j in enumerate(data["teacher_id"])])
 
 
+def _student_log_softmax(params, cfg, data):
+  """The student's full [B, T, V] log-probabilities, the naive way."""
+  return jax.nn.log_softmax(sampler.completion_logits(
+      params, cfg, data["prompt"], data["prompt_mask"], data["completion"],
+      data["mask"], SAMPLING), -1)
+
+
 def _teacher_w(teachers):
   """The stage's stacked teacher unembeddings, one single-model teacher per
   entry."""
@@ -107,10 +114,8 @@ def test_routed_scores_and_the_kl_loss_match_full_logits():
   teacher_w = _teacher_w(teachers)
 
   def naive(params):
-    z = sampler.completion_logits(params, student[0], data["prompt"],
-                                  data["prompt_mask"], data["completion"],
-                                  data["mask"], SAMPLING)
-    ls, lt = jax.nn.log_softmax(z, -1), jax.nn.log_softmax(zt, -1)
+    ls = _student_log_softmax(params, student[0], data)
+    lt = jax.nn.log_softmax(zt, -1)
     reverse = jnp.sum(jnp.exp(ls) * (ls - lt), -1)
     forward = jnp.sum(jnp.exp(lt) * (lt - ls), -1)
     return _masked_mean(0.3 * forward + 0.7 * reverse, mask)
@@ -146,10 +151,7 @@ def test_topk_loss_with_every_extra_matches_full_logits():
   teacher_w = _teacher_w(teachers)
 
   def naive(params):
-    z = sampler.completion_logits(params, student[0], data["prompt"],
-                                  data["prompt_mask"], data["completion"],
-                                  data["mask"], SAMPLING)
-    ls = jax.nn.log_softmax(z, -1)
+    ls = _student_log_softmax(params, student[0], data)
     logp = jnp.take_along_axis(ls, data["completion"][..., None], -1)[..., 0]
     gate = (data["teacher_logp"] > data["old_logp"]).astype(jnp.float32)
     top = jnp.argsort(-jax.lax.stop_gradient(ls), -1)[..., :5]
