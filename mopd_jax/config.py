@@ -65,7 +65,7 @@ def defaults(method: str) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       data_dir=os.path.join("~", ".cache", "mopd_jax", "tfds"),
       train_examples=20_000,
-      test_examples=256,
+      test_examples=256,  # of each held-out split: test and validation
       max_prompt_len=24,
       # A JSONL file of {"prompt", "answer", "domain"} lines to evaluate on
       # instead of the built-in test splits; empty: the built-in ones.
@@ -84,6 +84,13 @@ def defaults(method: str) -> ml_collections.ConfigDict:
       max_consecutive_skips=5))
   if not rl:
     c.train.batch_size = 32  # packed rows of max_prompt_len+max_new_tokens
+    # Stop by measurement: at the first evaluation (every train.eval_every
+    # steps) where every training domain's greedy accuracy on its validation
+    # split reaches ``target``; train.steps is then the limit (not reached:
+    # one line, exit 2). 0: off, train.steps steps. ``ceiling`` is the top
+    # of the band the base should land in, reported (summary.json).
+    c.select = ml_collections.ConfigDict(dict(
+        target=0.0, ceiling=1.0, num_prompts=256))
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=2e-4 if rl else 3e-3, warmup_steps=5 if rl else 100,
       end_lr_fraction=1.0 if rl else 0.1,
@@ -224,6 +231,9 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("train.log_every", _positive, "> 0"),
     ("train.eval_every", _non_negative, ">= 0 (0: only at the end)"),
     ("train.max_consecutive_skips", _positive, "> 0"),
+    ("select.target", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+    ("select.ceiling", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("select.num_prompts", _positive, "> 0"),
     ("optim.learning_rate", _positive, "> 0"),
     ("optim.warmup_steps", _non_negative, ">= 0"),
     ("optim.end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -358,11 +368,30 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(
         f"data.weights: {len(full.data.weights)} weights for"
         f" {len(full.data.domains)} domains")
+  if "select" in full and full.select.target > 0:
+    _validate_select(full)
   if "rl" in full:
     _validate_rl(full)
   if "opd" in full:
     _validate_mopd(full)
   return full
+
+
+def _validate_select(full) -> None:
+  if not set(full.data.domains) & set(TRAIN_DOMAINS):
+    raise ConfigError("select.target: data.domains has no training domain to"
+                      " select on")
+  if full.train.eval_every <= 0:
+    raise ConfigError("train.eval_every: select.target needs a validation"
+                      " evaluation every N > 0 steps")
+  if full.optim.end_lr_fraction != 1.0:
+    # A decay tied to train.steps (the limit) would make the chosen base
+    # depend on the limit.
+    raise ConfigError("optim.end_lr_fraction: select.target needs a constant"
+                      f" rate after warm-up (1.0), got"
+                      f" {full.optim.end_lr_fraction}")
+  if full.select.ceiling < full.select.target:
+    raise ConfigError("select.ceiling: must be >= select.target")
 
 
 def _validate_rl(full) -> None:

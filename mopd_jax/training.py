@@ -34,6 +34,8 @@ _TIMINGS = ("steps_per_sec",)
 StepFn = Callable[[Any, int], tuple[Any, Mapping[str, tuple]]]
 # (state, step) -> {name: scalar}
 EvalFn = Callable[[Any, int], Mapping[str, float]]
+# (step, the evaluation's scalars) -> why the run stops there, or None
+StopFn = Callable[[int, Mapping[str, float]], "dict | None"]
 
 
 def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
@@ -151,11 +153,13 @@ class LoopState:
     unresolved: each step's skip flag (on the device, or None) since the
       last ``resolve``; reading one waits for its step, so the loop reads
       them only where it stops anyway (log lines, evaluations, checkpoints).
+    stopped: why the run stopped before its last step (``StopFn``), or None.
   """
   pending: dict = dataclasses.field(default_factory=dict)
   consecutive_skips: int = 0
   skipped_steps: int = 0
   unresolved: list = dataclasses.field(default_factory=list)
+  stopped: dict | None = None
 
   def record(self, pairs: Mapping[str, tuple]) -> None:
     """Fold one step's metrics in (without waiting for the step)."""
@@ -186,21 +190,23 @@ class LoopState:
     return dict(pending={k: [_to_json(s), _to_json(c)]
                          for k, (s, c) in self.pending.items()},
                 consecutive_skips=self.consecutive_skips,
-                skipped_steps=self.skipped_steps)
+                skipped_steps=self.skipped_steps, stopped=self.stopped)
 
   @classmethod
   def from_json(cls, saved: Mapping) -> "LoopState":
     return cls(pending={k: (_from_json(s), _from_json(c))
                         for k, (s, c) in saved.get("pending", {}).items()},
                consecutive_skips=int(saved.get("consecutive_skips", 0)),
-               skipped_steps=int(saved.get("skipped_steps", 0)))
+               skipped_steps=int(saved.get("skipped_steps", 0)),
+               stopped=saved.get("stopped"))
 
 
 def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
              checkpoint, train, eval_fn: EvalFn | None = None,
-             desc: str = "train") -> Any:
+             desc: str = "train", stop_fn: StopFn | None = None) -> Any:
   """Run ``step_fn`` from the newest readable checkpoint (or step 0) to
-  ``total_steps``; returns the final state.
+  ``total_steps``, or to the first evaluation at which ``stop_fn`` gives a
+  reason to stop; returns the final state.
 
   After step ``s`` (1-based): a line of the means of the accumulated
   ``(sum, count)`` metrics every ``train.log_every`` steps and at the end;
@@ -218,6 +224,11 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
   read at log lines, evaluations and checkpoints, so that steps are
   dispatched without waiting) the run stops with a ``DivergenceError``,
   writing no further checkpoint.
+
+  When ``stop_fn(step, scalars)`` returns a dict after an evaluation, the
+  run ends there: a checkpoint of that step (its loop state holding the
+  reason, so that a re-run does not train on) and the reason in
+  ``summary.json`` under ``stopped``.
 
   Ends by writing ``<workdir>/summary.json`` (``write_summary``), also on a
   re-run of a finished run.
@@ -241,7 +252,8 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
     cleanup.callback(bar.close)
     last_saved = start or None
     tick, tick_step = time.perf_counter(), start
-    for step in bar:
+    done = start
+    for step in ([] if loop.stopped else bar):
       state, pairs = step_fn(state, step)
       loop.record(pairs)
       done = step + 1
@@ -268,20 +280,27 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
             " (non-finite loss or gradient); stopped, and"
             f" {kept} (lower optim.learning_rate or check the data)")
       if evaluate:
-        writer.write(done, eval_fn(state, done))
-      if save:
+        scalars = eval_fn(state, done)
+        writer.write(done, scalars)
+        loop.stopped = stop_fn(done, scalars) if stop_fn else None
+      if loop.stopped and loop.pending:  # the last log line is this step's
+        writer.write(done, loop.flush())
+      if save or loop.stopped:
         ckpt.save(done, state, force=True, loop=loop.to_json())
         last_saved = done
-  write_summary(workdir, total_steps, state["params"])
+      if loop.stopped:
+        break
+  write_summary(workdir, done, state["params"], stopped=loop.stopped)
   return state
 
 
-def write_summary(workdir: str, step: int, params: Any) -> dict:
+def write_summary(workdir: str, step: int, params: Any, **extra) -> dict:
   """Write and return ``<workdir>/summary.json``: the final ``step``, the
-  ``params_sha256`` of the final parameters (``checksum.tree_checksum``) and
-  ``metrics``, the last logged value of every metric except timings. Two
-  runs with equal summaries ended with bit-identical parameters. Stages
-  without a step loop (no metrics.jsonl) call it too."""
+  ``params_sha256`` of the final parameters (``checksum.tree_checksum``),
+  ``metrics``, the last logged value of every metric except timings, and
+  the ``extra`` entries that are not None. Two runs with equal summaries
+  ended with bit-identical parameters. Stages without a step loop (no
+  metrics.jsonl) call it too."""
   final: dict = {}
   records = read_metrics(workdir) if os.path.exists(
       os.path.join(workdir, METRICS_FILE)) else []
@@ -290,6 +309,7 @@ def write_summary(workdir: str, step: int, params: Any) -> dict:
   for key in ("step", *_TIMINGS):
     final.pop(key, None)
   summary = dict(step=step, params_sha256=tree_checksum(params),
-                 metrics=final)
+                 metrics=final,
+                 **{k: v for k, v in extra.items() if v is not None})
   write_json_atomic(os.path.join(workdir, SUMMARY_FILE), summary)
   return summary

@@ -18,14 +18,23 @@ def data_dir(tmp_path_factory):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_experiment(name: str):
-  """The module of ``experiments/<name>.py`` (scripts, not a package)."""
+def _load_script(folder: str, name: str):
   import importlib.util
   spec = importlib.util.spec_from_file_location(
-      name, f"{ROOT}/experiments/{name}.py")
+      name, f"{ROOT}/{folder}/{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def load_experiment(name: str):
+  """The module of ``experiments/<name>.py`` (scripts, not a package)."""
+  return _load_script("experiments", name)
+
+
+def load_config(name: str, variant: str = ""):
+  """``configs/<name>.py``'s ``get_config(variant)``."""
+  return _load_script("configs", name).get_config(variant)
 
 
 def train_cli(*args, env=None, timeout=300):

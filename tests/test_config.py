@@ -2,11 +2,10 @@
 flag errors, bad domains, unwritable workdirs) into one line and exit 2."""
 
 import os
-import sys
 
 import pytest
 
-from conftest import ROOT, train_cli
+from conftest import ROOT, load_config, train_cli
 from mopd_jax import config as config_lib
 from mopd_jax.errors import ConfigError
 
@@ -14,12 +13,7 @@ SMOKE = os.path.join(ROOT, "configs", "pretrain.py") + ":smoke"
 
 
 def _smoke():
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
-  try:
-    import pretrain  # pylint: disable=import-outside-toplevel
-  finally:
-    sys.path.pop(0)
-  return pretrain.get_config("smoke")
+  return load_config("pretrain", "smoke")
 
 
 def test_defaults_validate_and_fill_missing_fields():
@@ -147,12 +141,7 @@ def test_mix_rl_floor_and_weights_are_checked():
 
 
 def test_open_mopd_variant_validates_and_power_is_checked():
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
-  try:
-    import mopd  # pylint: disable=import-outside-toplevel
-  finally:
-    sys.path.pop(0)
-  cfg = mopd.get_config("open")
+  cfg = load_config("mopd", "open")
   cfg.update(teachers="runs/expert_{domain}", init="runs/base")
   om = config_lib.validate(cfg).open_mopd
   assert om.token_share and om.gap_budget and om.reward_refresh

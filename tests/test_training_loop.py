@@ -167,3 +167,31 @@ def test_a_summary_without_a_step_loop(tmp_path):
   summary = training.write_summary(str(tmp_path), 0, {"w": jnp.ones(2)})
   assert summary["metrics"] == {} and summary == json.load(
       open(tmp_path / training.SUMMARY_FILE))
+
+
+def test_stop_fn_ends_the_run_at_its_evaluation_and_a_rerun_stays(tmp_path):
+  ckpt, train = _settings(every=10)
+  train.eval_every = 2
+  init = dict(params=dict(x=jnp.arange(2.0)), step=jnp.zeros((), jnp.int32))
+  seen = []
+
+  def eval_fn(state, step):
+    seen.append(step)
+    return {"x0": float(state["params"]["x"][0])}
+
+  def stop_fn(step, scalars):  # x0 after k steps: 0, 0, 1, 3.5, 8.25, ...
+    return {"step": step} if scalars["x0"] > 5 else None
+
+  final = training.run_loop(str(tmp_path), init, _step, 100, ckpt, train,
+                            eval_fn, stop_fn=stop_fn)
+  assert seen == [2, 4]  # x0 = 1 at step 2, 8.25 at step 4
+  assert int(final["step"]) == 4
+  assert max(int(s) for s in os.listdir(tmp_path / "ckpt")) == 4  # every=10
+  summary = json.load(open(tmp_path / training.SUMMARY_FILE))
+  assert summary["step"] == 4 and summary["stopped"] == {"step": 4}
+  assert summary["params_sha256"] == tree_checksum(final["params"])
+  # A re-run restores the stopped step and trains no further.
+  again = training.run_loop(str(tmp_path), init, _step, 100, ckpt, train,
+                            eval_fn, stop_fn=stop_fn)
+  assert seen == [2, 4] and int(again["step"]) == 4
+  assert json.load(open(tmp_path / training.SUMMARY_FILE)) == summary

@@ -7,9 +7,10 @@ held-out domain (``reverse``) is learned only in base training, so that a drop
 on it reveals forgetting. Every prompt starts with a keyword of its domain and
 uses only the character tokenizer's alphabet.
 
-Train and test prompts are told apart by a stable hash of the prompt text
-(``split_of``), so the two splits never share a prompt, however many examples
-either one draws.
+Train, validation and test prompts are told apart by a stable hash of the
+prompt text (``split_of``), so no two splits share a prompt, however many
+examples either one draws. Validation is for choices made during or between
+runs (when the base stops, merge settings); test is only ever reported.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ import numpy as np
 
 from mopd_jax.errors import DataError
 
-SPLITS = ("train", "test")
+# The order fixes each split's random stream (its index): validation came
+# last so that the train and test streams stayed what they were.
+SPLITS = ("train", "test", "validation")
+HELD_OUT_SPLITS = ("test", "validation")  # unique prompts, graded
 TEST_FRACTION = 0.1
+VALIDATION_FRACTION = 0.1
 
 # Reference integers are small; capping the digits keeps a verifier from
 # spending quadratic time in int() (or hitting Python's 4300-digit limit) on a
@@ -189,18 +194,25 @@ def get_domain(name: str) -> Domain:
         f"unknown domain {name!r}; known: {', '.join(DOMAINS)}") from None
 
 
-def split_of(prompt: str, test_fraction: float = TEST_FRACTION) -> str:
-  """'train' or 'test' for ``prompt``, from a hash stable across runs."""
+def split_of(prompt: str) -> str:
+  """'test', 'validation' or 'train' for ``prompt``, from a hash stable
+  across runs: ``u = crc32(prompt) / 2^32``; test when ``u < 0.1``,
+  validation when ``0.1 <= u < 0.2``, train otherwise."""
   # crc32, unlike hash(), does not change with PYTHONHASHSEED.
   bucket = zlib.crc32(prompt.encode("utf-8")) / 2**32
-  return "test" if bucket < test_fraction else "train"
+  if bucket < TEST_FRACTION:
+    return "test"
+  if bucket < TEST_FRACTION + VALIDATION_FRACTION:
+    return "validation"
+  return "train"
 
 
 def generate(domain: str, split: str, n: int, seed: int) -> list[Example]:
   """``n`` examples of ``domain`` whose prompts belong to ``split``.
 
   Deterministic in its arguments. Train examples may repeat a prompt; test
-  prompts are unique, so that test accuracy counts each prompt once. Drawing
+  and validation prompts are unique, so that accuracy counts each prompt
+  once. Drawing
   from one stream and keeping the order makes a smaller ``n`` a prefix of a
   larger one.
   """
@@ -225,7 +237,7 @@ def generate(domain: str, split: str, n: int, seed: int) -> list[Example]:
     example = spec.generate(rng)
     if split_of(example.prompt) != split:
       continue
-    if split == "test":
+    if split in HELD_OUT_SPLITS:
       if example.prompt in seen:
         continue
       seen.add(example.prompt)

@@ -44,12 +44,14 @@ class MopdDomains(tfds.core.GeneratorBasedBuilder):
 
   # Bump whenever a domain generator changes what it draws: built datasets are
   # reused by version, so a stale one would otherwise be served silently.
-  VERSION = tfds.core.Version("1.3.0")
+  VERSION = tfds.core.Version("1.4.0")
   RELEASE_NOTES: ClassVar[dict[str, str]] = {
       "1.0.0": "Initial release.",
       "1.1.0": "Harder instruct (4-8 letter words) and sort (4-7 letters).",
       "1.2.0": "add operands 0..99 instead of 0..199.",
       "1.3.0": "instruct: first/last k and the i-th letter (no count, len).",
+      "1.4.0": "A validation split (hash bucket [0.1, 0.2), taken from"
+               " train); test unchanged.",
   }
   BUILDER_CONFIGS: ClassVar[list[DomainConfig]] = [
       DomainConfig(name=name, domain=name, description=d.description)
@@ -78,6 +80,7 @@ class MopdDomains(tfds.core.GeneratorBasedBuilder):
     return {
         "train": self._generate_examples("train", config.num_train),
         "test": self._generate_examples("test", config.num_test),
+        "validation": self._generate_examples("validation", config.num_test),
     }
 
   def _generate_examples(self, split: str, n: int):
@@ -140,8 +143,9 @@ def load_split(domain: str,
                seed: int = DEFAULT_SEED) -> ExampleSource:
   """One split of ``domain``, built into ``data_dir`` first if not there yet.
 
-  Both splits are built together; ``num_train``, ``num_test`` and ``seed``
-  fix the content, and each combination lives in its own directory.
+  The splits are built together (validation with ``num_test`` examples, like
+  test); ``num_train``, ``num_test`` and ``seed`` fix the content, and each
+  combination lives in its own directory.
   """
   domains.get_domain(domain)  # A DataError naming the known domains.
   if split not in domains.SPLITS:

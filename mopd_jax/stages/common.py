@@ -23,6 +23,7 @@ from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
 
 CONFIG_FILE = "config.json"
+EVAL_FILE = "eval.json"
 
 
 def save_run_config(config, workdir: str) -> None:
@@ -191,16 +192,20 @@ def eval_sets(config, names: Sequence[str]) -> dict:
   return sets
 
 
-def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None):
-  """Sampled (``eval.temperature``) and greedy accuracy on every domain.
+def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None,
+                 greedy_only=False, prefix="eval", num_prompts=None):
+  """Sampled (``eval.temperature``) and greedy accuracy on every domain
+  (greedy only when ``greedy_only``), on the first ``num_prompts``
+  (default ``eval.num_prompts``) examples of each domain in ``test``.
 
-  Prints a table, returns ``eval/<mode>/<domain>/<metric>`` scalars, and
-  hands the final step's scalars to ``on_final``.
+  Prints a table, returns ``<prefix>/<mode>/<domain>/<metric>`` scalars,
+  and hands the final step's scalars to ``on_final``.
   """
   key = jax.random.fold_in(jax.random.key(config.seed), 1)
-  subsets = {d: list(exs)[:config.eval.num_prompts] for d, exs in test.items()}
-  modes = {"sampled": config.eval.temperature}
-  if config.eval.greedy:
+  num_prompts = num_prompts or config.eval.num_prompts
+  subsets = {d: list(exs)[:num_prompts] for d, exs in test.items()}
+  modes = {} if greedy_only else {"sampled": config.eval.temperature}
+  if config.eval.greedy or greedy_only:
     modes["greedy"] = 0.0
 
   def eval_fn(state, step):
@@ -213,8 +218,9 @@ def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None):
             state["params"], model_cfg, tokenizer, subsets, sampling,
             jax.random.fold_in(key, step), config.eval.batch_size,
             config.data.max_prompt_len)
-    print(f"\nevaluation at step {step}:\n" + accuracy.format_table(results))
-    scalars = {f"eval/{mode}/{d}/{metric}": value
+    title = {"eval": "evaluation"}.get(prefix, prefix)
+    print(f"\n{title} at step {step}:\n" + accuracy.format_table(results))
+    scalars = {f"{prefix}/{mode}/{d}/{metric}": value
                for mode, r in results.items() for d, m in r.items()
                for metric, value in m.items()}
     if on_final and step == config.train.steps:
@@ -227,6 +233,6 @@ def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None):
 def write_eval(workdir: str, step: int):
   """An ``on_final`` callback writing ``<workdir>/eval.json`` atomically."""
   def write(scalars):
-    training.write_json_atomic(os.path.join(workdir, "eval.json"),
+    training.write_json_atomic(os.path.join(workdir, EVAL_FILE),
                                {"step": step, **scalars})
   return write

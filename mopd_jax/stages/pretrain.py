@@ -3,6 +3,12 @@
 Batches mix domains by ``data.weights``; the batch of step ``s`` is a pure
 function of ``(seed, s)``, so the data position is the step counter and a
 resumed run sees exactly the batches an uninterrupted one would.
+
+With ``select.target > 0`` the run stops by measurement, not at a step
+count: skills appear abruptly, at a step that moves with the seed and with
+the machine's float rounding, so the base is the first checkpoint (every
+``train.eval_every`` steps, at a constant rate) where every training
+domain's greedy accuracy on its validation split reaches the target.
 """
 
 from __future__ import annotations
@@ -13,8 +19,12 @@ import numpy as np
 from mopd_jax import config as config_lib
 from mopd_jax import parallel, training
 from mopd_jax.data import batching, mixture
+from mopd_jax.data.domains import TRAIN_DOMAINS
+from mopd_jax.errors import ConfigError
 from mopd_jax.objectives.sft import make_train_step
 from mopd_jax.stages import common
+
+VALIDATION = "validation"
 
 
 def batch_drawer(train_sets, weights: np.ndarray, seed: int, step: int):
@@ -27,6 +37,38 @@ def batch_drawer(train_sets, weights: np.ndarray, seed: int, step: int):
     return train_sets[d][int(rng.integers(len(train_sets[d])))]
 
   return draw
+
+
+def validation_accuracy(scalars) -> dict[str, float]:
+  """``{domain: greedy accuracy}`` from a validation evaluation's scalars."""
+  prefix, suffix = f"{VALIDATION}/greedy/", "/accuracy"
+  return {k[len(prefix):-len(suffix)]: v for k, v in scalars.items()
+          if k.startswith(prefix) and k.endswith(suffix)}
+
+
+def selection(step: int, accuracy: dict[str, float], select) -> dict | None:
+  """Whether the base stops at ``step``: a record of why when every
+  domain's greedy validation ``accuracy`` is at least ``select.target``
+  (``min_d acc_d >= target``), naming the domains above
+  ``select.ceiling``; None before that."""
+  if min(accuracy.values()) < select.target:
+    return None
+  return dict(step=step, reason="every training domain's greedy validation"
+              f" accuracy >= {select.target}", target=select.target,
+              ceiling=select.ceiling,
+              validation_greedy=dict(sorted(accuracy.items())),
+              above_ceiling=sorted(d for d, a in accuracy.items()
+                                   if a > select.ceiling))
+
+
+def target_missed(step: int, accuracy: dict[str, float], select) -> str:
+  """The one line for a run that reached its last step short of the target
+  (its checkpoints stay, so a longer ``train.steps`` resumes)."""
+  return (f"select.target: {select.target} not reached by step {step}"
+          " (greedy validation accuracy " + ", ".join(
+              f"{d} {a:.3f}" for d, a in sorted(accuracy.items())
+              if a < select.target) +
+          "); raise train.steps to train on, or lower the target")
 
 
 def run(config, workdir: str):
@@ -56,8 +98,44 @@ def run(config, workdir: str):
     with parallel.activate(mesh):
       return train_step(state, parallel.shard_batch(mesh, arrays))
 
-  eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test_sets, mesh,
-                                common.write_eval(workdir, config.train.steps))
+  test_eval = common.make_eval_fn(
+      config, model_cfg, tokenizer, test_sets, mesh,
+      common.write_eval(workdir, config.train.steps))
+  if not config.select.target:
+    return training.run_loop(workdir, state, step_fn, config.train.steps,
+                             config.checkpoint, config.train, test_eval,
+                             desc="pretrain")
+
+  selected = [d for d in config.data.domains if d in TRAIN_DOMAINS]
+  val_eval = common.make_eval_fn(
+      config, model_cfg, tokenizer,
+      common.domain_splits(config, selected, VALIDATION), mesh,
+      greedy_only=True, prefix=VALIDATION,
+      num_prompts=config.select.num_prompts)
+
+  def select_eval_fn(state, step):
+    """Validation every time; the test evaluation (eval.json) only at the
+    step the base stops at."""
+    scalars = dict(val_eval(state, step))
+    if selection(step, validation_accuracy(scalars), config.select):
+      final = test_eval(state, step)
+      common.write_eval(workdir, step)(final)
+      scalars.update(final)
+    return scalars
+
+  def stop_fn(step, scalars):
+    accuracy = validation_accuracy(scalars)
+    record = selection(step, accuracy, config.select)
+    if not record and step >= config.train.steps:
+      raise ConfigError(target_missed(step, accuracy, config.select))
+    if record:
+      print(f"base selected at step {step}: {record['reason']}"
+            + (f"; above the ceiling {config.select.ceiling}: "
+               + ", ".join(record["above_ceiling"])
+               if record["above_ceiling"] else ""))
+    return record
+
   return training.run_loop(workdir, state, step_fn, config.train.steps,
-                           config.checkpoint, config.train, eval_fn,
-                           desc="pretrain")
+                           config.checkpoint, config.train, select_eval_fn,
+                           desc=f"pretrain (to {config.select.target:.0%}"
+                           " validation)", stop_fn=stop_fn)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import string
 import time
+import zlib
 
 import hypothesis
 import numpy as np
@@ -143,23 +144,43 @@ def test_determinism():
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_train_and_test_share_no_prompt(name):
-  train = domains.generate(name, "train", 5000, seed=0)
-  test = domains.generate(name, "test", 500, seed=0)
-  train_prompts = {ex.prompt for ex in train}
-  test_prompts = [ex.prompt for ex in test]
-  assert len(set(test_prompts)) == len(test_prompts)  # Test is deduplicated.
-  assert not train_prompts & set(test_prompts)
-  assert all(domains.split_of(p) == "train" for p in train_prompts)
-  assert all(domains.split_of(p) == "test" for p in test_prompts)
+def test_splits_share_no_prompt(name):
+  prompts = {split: [ex.prompt for ex in domains.generate(name, split, n,
+                                                           seed=0)]
+             for split, n in (("train", 5000), ("test", 500),
+                              ("validation", 500))}
+  for split, found in prompts.items():
+    assert all(domains.split_of(p) == split for p in found), split
+  for held_out in ("test", "validation"):  # deduplicated
+    assert len(set(prompts[held_out])) == len(prompts[held_out])
+  assert not set(prompts["train"]) & set(prompts["test"])
+  assert not set(prompts["train"]) & set(prompts["validation"])
+  assert not set(prompts["test"]) & set(prompts["validation"])
 
 
-def test_split_of_is_stable_and_roughly_ten_percent():
+def test_split_of_is_stable_with_ten_percent_held_out_each():
   assert domains.split_of("add 1+2=") == domains.split_of("add 1+2=")
   prompts = [f"add {a}+{b}=" for a in range(200) for b in range(200)]
-  frac = np.mean([domains.split_of(p) == "test" for p in prompts])
-  assert 0.08 < frac < 0.12
-  assert all(domains.split_of(p, test_fraction=0.0) == "train" for p in prompts)
+  splits = [domains.split_of(p) for p in prompts]
+  for split, low, high in (("test", 0.08, 0.12), ("validation", 0.08, 0.12),
+                           ("train", 0.76, 0.84)):
+    assert low < np.mean([s == split for s in splits]) < high, split
+  # Each split by its own crc32 bucket: u < 0.1 test, < 0.2 validation.
+  bucket = zlib.crc32(prompts[0].encode()) / 2**32
+  assert splits[0] == ("test" if bucket < 0.1 else
+                       "validation" if bucket < 0.2 else "train")
+
+
+def test_test_split_kept_its_stream_when_validation_was_added():
+  # The first test prompts of add, seed 0, as they were with two splits.
+  rng = np.random.default_rng([0, zlib.crc32(b"add"), 1])
+  expected = []
+  while len(expected) < 5:
+    example = domains.DOMAINS["add"].generate(rng)
+    bucket = zlib.crc32(example.prompt.encode()) / 2**32
+    if bucket < 0.1 and example.prompt not in expected:
+      expected.append(example.prompt)
+  assert [e.prompt for e in domains.generate("add", "test", 5, 0)] == expected
 
 
 def test_generate_fails_instead_of_looping_when_split_cannot_fill(monkeypatch):

@@ -14,7 +14,7 @@ SIZES = {"num_train": 64, "num_test": 16}
 
 @pytest.mark.parametrize("name", tuple(domains.DOMAINS))
 def test_load_split_matches_generate(tmp_path, name):
-  for split, n in (("train", 64), ("test", 16)):
+  for split, n in (("train", 64), ("test", 16), ("validation", 16)):
     source = tfds_builder.load_split(name, split, str(tmp_path), seed=3,
                                      **SIZES)
     assert len(source) == n
