@@ -19,11 +19,10 @@ import ml_collections
 from mopd_jax import parallel
 from mopd_jax.data.domains import DOMAINS, TRAIN_DOMAINS
 from mopd_jax.errors import ConfigError
+from mopd_jax.fusion import merge
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.rollout.sampler import SamplingConfig
 
-METHODS = ("pretrain", "grpo", "mix_rl", "mopd")
-RL_METHODS = ("grpo", "mix_rl", "mopd")  # on-policy: they sample rollouts
 ALL_DOMAINS = tuple(DOMAINS)
 
 
@@ -39,29 +38,17 @@ def _sampling(**overrides) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(fields)
 
 
-def defaults(method: str) -> ml_collections.ConfigDict:
-  """The complete default config of ``method``.
-
-  ``pretrain`` builds a model from ``model``; the on-policy methods start
-  from the run in ``init`` and take its architecture from there. ``grpo``
-  trains one ``domain``'s expert; ``mix_rl`` pools ``data.domains`` by
-  ``data.weights`` (or the adaptive ``mixture``); ``mopd`` distils the
-  ``teachers`` (one expert run per domain) into the student on its own
-  rollouts of the pooled prompts.
-  """
-  if method not in METHODS:
-    raise ConfigError(f"method: unknown method {method!r}; known: "
-                      + ", ".join(METHODS))
-  rl = method in RL_METHODS
+def _common(method: str, init: bool) -> ml_collections.ConfigDict:
+  """What every method has: its name, the seed, the data, sampling and
+  evaluation settings, the mesh; ``init``: it starts from an earlier run
+  (whose architecture it takes) instead of building a ``model``."""
   c = ml_collections.ConfigDict()
   c.method = method
   c.seed = 0
-  if rl:
+  if init:
     c.init = ""  # workdir of the run to start from (the base model)
   else:
     c.model = _model()
-  if method == "grpo":
-    c.domain = "add"
   c.data = ml_collections.ConfigDict(dict(
       data_dir=os.path.join("~", ".cache", "mopd_jax", "tfds"),
       train_examples=20_000,
@@ -71,68 +58,9 @@ def defaults(method: str) -> ml_collections.ConfigDict:
       # instead of the built-in test splits; empty: the built-in ones.
       eval_jsonl="",
   ))
-  if method != "grpo":
-    c.data.domains = ALL_DOMAINS if method == "pretrain" else TRAIN_DOMAINS
-    c.data.weights = ()  # empty: uniform over domains
-  # An expert's 800 GRPO steps: where every built-in expert gains over 20
-  # greedy points; Mix RL gets the same 800 steps (README, RLVR results).
-  steps = {"pretrain": 1500, "grpo": 800, "mix_rl": 800}.get(method, 300)
-  c.train = ml_collections.ConfigDict(dict(
-      steps=steps, log_every=5 if rl else 25, eval_every=100 if rl else 0,
-      # Steps in a row whose update was skipped (non-finite loss or
-      # gradient) before the run stops with exit code 2.
-      max_consecutive_skips=5))
-  if not rl:
-    c.train.batch_size = 32  # packed rows of max_prompt_len+max_new_tokens
-    # Stop by measurement: at the first evaluation (every train.eval_every
-    # steps) where every training domain's greedy accuracy on its validation
-    # split reaches ``target``; train.steps is then the limit (not reached:
-    # one line, exit 2). 0: off, train.steps steps. ``ceiling`` is the top
-    # of the band the base should land in, reported (summary.json).
-    c.select = ml_collections.ConfigDict(dict(
-        target=0.0, ceiling=1.0, num_prompts=256))
-  c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=2e-4 if rl else 3e-3, warmup_steps=5 if rl else 100,
-      end_lr_fraction=1.0 if rl else 0.1,
-      # 0: the decay spans the run after warm-up; N > 0: constant until the
-      # last N steps (warmup-stable-decay; see training.learning_rate_schedule)
-      decay_steps=0,
-      weight_decay=0.0 if rl else 0.01,
-      b1=0.9, b2=0.99 if rl else 0.95, grad_clip=1.0))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=25 if rl else 250,
-                                                keep=2))
   c.sampling = _sampling()
   c.eval = ml_collections.ConfigDict(dict(
       num_prompts=256, batch_size=128, temperature=1.0, greedy=True))
-  if rl:
-    c.eval.domains = ALL_DOMAINS  # transfer and forgetting, every eval
-    c.rl = ml_collections.ConfigDict(dict(
-        group_size=8,
-        prompts_per_step=32,
-        epochs=1,
-        minibatches=1,
-        advantage="grpo",  # grpo | drgrpo | rloo | passk
-        pass_k=4,  # passk: the group is rewarded for its best of k samples
-        advantage_eps=1e-6,
-        eps_low=0.2,
-        eps_high=0.28,
-        dual_clip=0.0,  # c > 1 bounds negative-advantage losses; 0: off
-        tis_cap=0.0,  # truncated sampler/trainer importance weight; 0: off
-        beta=0.0,  # KL-to-reference weight; 0: no reference forward at all
-        kl_estimator="k3",  # k1 | k2 | k3
-        # weight of the entropy bonus -c H(pi) per token (keeps exploring)
-        entropy_coef=0.0,
-        aggregation="token_mean",  # | seq_mean_token_mean | constant
-        drop_equal_groups=False,
-    ))
-  if method == "mix_rl":
-    c.mixture = ml_collections.ConfigDict(dict(
-        adaptive=False, exploration=0.5, floor=0.05, momentum=0.9))
-  if method == "mopd":
-    _mopd(c)
-  # The fused vocabulary ops of every loss: auto (Pallas on TPU, XLA
-  # elsewhere) | xla | pallas; block_v: vocabulary tile (0: the op's default).
-  c.ops = ml_collections.ConfigDict(dict(impl="auto", block_v=0))
   # Device mesh (one size may be -1: the rest of the devices) and the
   # logical-axis rule set: fsdp_tp | fsdp | dp (see mopd_jax/parallel.py).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
@@ -144,6 +72,159 @@ def defaults(method: str) -> ml_collections.ConfigDict:
   c.distributed = ml_collections.ConfigDict(dict(
       enabled=False, coordinator_address="", num_processes=0, process_id=-1))
   return c
+
+
+def _training(c: ml_collections.ConfigDict, steps: int, rl: bool) -> None:
+  """The sections of a method that trains: the step loop, the optimiser,
+  checkpoints and the fused vocabulary ops of its loss."""
+  c.train = ml_collections.ConfigDict(dict(
+      steps=steps, log_every=5 if rl else 25, eval_every=100 if rl else 0,
+      # Steps in a row whose update was skipped (non-finite loss or
+      # gradient) before the run stops with exit code 2.
+      max_consecutive_skips=5))
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=2e-4 if rl else 3e-3, warmup_steps=5 if rl else 100,
+      end_lr_fraction=1.0 if rl else 0.1,
+      # 0: the decay spans the run after warm-up; N > 0: constant until the
+      # last N steps (warmup-stable-decay; see training.learning_rate_schedule)
+      decay_steps=0,
+      weight_decay=0.0 if rl else 0.01,
+      b1=0.9, b2=0.99 if rl else 0.95, grad_clip=1.0))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=25 if rl else 250,
+                                                keep=2))
+  # The fused vocabulary ops of every loss: auto (Pallas on TPU, XLA
+  # elsewhere) | xla | pallas; block_v: vocabulary tile (0: the op's default).
+  c.ops = ml_collections.ConfigDict(dict(impl="auto", block_v=0))
+
+
+def _pretrain() -> ml_collections.ConfigDict:
+  """Supervised next-token training of a ``model`` built from scratch on
+  every domain's demonstrations."""
+  c = _common("pretrain", init=False)
+  c.data.domains = ALL_DOMAINS
+  c.data.weights = ()  # empty: uniform over domains
+  _training(c, steps=1500, rl=False)
+  c.train.batch_size = 32  # packed rows of max_prompt_len+max_new_tokens
+  # Stop by measurement: at the first evaluation (every train.eval_every
+  # steps) where every training domain's greedy accuracy on its validation
+  # split reaches ``target``; train.steps is then the limit (not reached:
+  # one line, exit 2). 0: off, train.steps steps. ``ceiling`` is the top
+  # of the band the base should land in, reported (summary.json).
+  c.select = ml_collections.ConfigDict(dict(
+      target=0.0, ceiling=1.0, num_prompts=256))
+  return c
+
+
+def _on_policy(method: str) -> ml_collections.ConfigDict:
+  """What GRPO, Mix RL and MOPD share: they start from ``init``, sample
+  rollouts (``rl`` holds the batch shape and the clipped surrogate) and
+  evaluate every domain (transfer and forgetting) as they go."""
+  c = _common(method, init=True)
+  # An expert's 800 GRPO steps: where every built-in expert gains over 20
+  # greedy points; Mix RL gets the same 800 steps (README, RLVR results).
+  _training(c, steps=300 if method == "mopd" else 800, rl=True)
+  c.eval.domains = ALL_DOMAINS
+  c.rl = ml_collections.ConfigDict(dict(
+      group_size=8,
+      prompts_per_step=32,
+      epochs=1,
+      minibatches=1,
+      advantage="grpo",  # grpo | drgrpo | rloo | passk
+      pass_k=4,  # passk: the group is rewarded for its best of k samples
+      advantage_eps=1e-6,
+      eps_low=0.2,
+      eps_high=0.28,
+      dual_clip=0.0,  # c > 1 bounds negative-advantage losses; 0: off
+      tis_cap=0.0,  # truncated sampler/trainer importance weight; 0: off
+      beta=0.0,  # KL-to-reference weight; 0: no reference forward at all
+      kl_estimator="k3",  # k1 | k2 | k3
+      # weight of the entropy bonus -c H(pi) per token (keeps exploring)
+      entropy_coef=0.0,
+      aggregation="token_mean",  # | seq_mean_token_mean | constant
+      drop_equal_groups=False,
+  ))
+  return c
+
+
+def _grpo() -> ml_collections.ConfigDict:
+  """One ``domain``'s expert."""
+  c = _on_policy("grpo")
+  c.domain = "add"
+  return c
+
+
+def _mix_rl() -> ml_collections.ConfigDict:
+  """GRPO on the pooled ``data.domains``, drawn by ``data.weights`` or by
+  the adaptive ``mixture``."""
+  c = _on_policy("mix_rl")
+  c.data.domains = TRAIN_DOMAINS
+  c.data.weights = ()  # empty: uniform over domains
+  c.mixture = ml_collections.ConfigDict(dict(
+      adaptive=False, exploration=0.5, floor=0.05, momentum=0.9))
+  return c
+
+
+def _merge() -> ml_collections.ConfigDict:
+  """The ``experts`` (one run per domain of ``data.domains``, each from the
+  base run ``init``) merged by their task vectors; no training."""
+  c = _common("merge", init=True)
+  c.data.domains = TRAIN_DOMAINS
+  c.eval.domains = ALL_DOMAINS
+  # run directories: a template with {domain}, or domain=dir pairs
+  c.experts = ""
+  c.merge = ml_collections.ConfigDict({
+      "method": "task_arithmetic",
+      "weights": (),  # one per expert, in data.domains order; empty: 1 each
+      "lambda": 1.0,  # factor on the mixed task vector
+      "density": 1.0,  # fraction of each task vector kept (sparsifiers)
+      "gamma": 0.01,  # breadcrumbs: fraction of the largest entries dropped
+      "t": 0.5,  # slerp: from the first expert (0) to the second (1)
+      "tolerance": 0.0,  # sparse_union: |tau| above it counts as changed
+      "normalize": "auto",  # auto (the method's mergekit default) | on | off
+      "rescale": True,  # DARE: survivors divided by density
+      # per-leaf settings by name pattern, first match wins:
+      # "pattern:key=value[,key=value];..." (a value a..b ramps over layers)
+      "overrides": "",
+      # Choose lambda (and density, for the sparsifying methods) on the
+      # validation split: the best mean greedy accuracy of the grid.
+      "sweep": False,
+      "sweep_lambdas": (0.25, 0.5, 0.75, 1.0),
+      "sweep_densities": (0.2, 0.5, 0.8),
+      "sweep_prompts": 128,
+  })
+  return c
+
+
+def _mopd_method() -> ml_collections.ConfigDict:
+  c = _on_policy("mopd")
+  c.data.domains = TRAIN_DOMAINS
+  c.data.weights = ()  # empty: uniform over domains
+  _mopd(c)
+  return c
+
+
+# method -> its complete default config
+BUILDERS: dict[str, Callable[[], ml_collections.ConfigDict]] = {
+    "pretrain": _pretrain, "grpo": _grpo, "mix_rl": _mix_rl,
+    "mopd": _mopd_method, "merge": _merge}
+METHODS = tuple(BUILDERS)
+
+
+def defaults(method: str) -> ml_collections.ConfigDict:
+  """The complete default config of ``method``.
+
+  ``pretrain`` builds a model from ``model``; every other method starts
+  from the run in ``init`` and takes its architecture from there. ``grpo``
+  trains one ``domain``'s expert; ``mix_rl`` pools ``data.domains`` by
+  ``data.weights`` (or the adaptive ``mixture``); ``mopd`` distils the
+  ``teachers`` (one expert run per domain) into the student on its own
+  rollouts of the pooled prompts; ``merge`` combines the ``experts``'
+  task vectors.
+  """
+  if method not in BUILDERS:
+    raise ConfigError(f"method: unknown method {method!r}; known: "
+                      + ", ".join(METHODS))
+  return BUILDERS[method]()
 
 
 def _mopd(c: ml_collections.ConfigDict) -> None:
@@ -272,6 +353,20 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "token_mean, seq_mean_token_mean or constant"),
     ("teachers", lambda v: bool(v), "the expert runs: a template with"
      " {domain} or domain=dir pairs"),
+    ("experts", lambda v: bool(v), "the expert runs: a template with"
+     " {domain} or domain=dir pairs"),
+    ("merge.method", lambda v: v in merge.METHODS,
+     "one of " + ", ".join(merge.METHODS)),
+    ("merge.density", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("merge.gamma", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("merge.t", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("merge.tolerance", _non_negative, ">= 0"),
+    ("merge.normalize", lambda v: v in merge.NORMALIZE,
+     " or ".join(merge.NORMALIZE)),
+    ("merge.sweep_lambdas", lambda v: len(v) > 0, "a non-empty tuple"),
+    ("merge.sweep_densities", lambda v: len(v) > 0 and all(
+        0 < d <= 1 for d in v), "a non-empty tuple of values in (0, 1]"),
+    ("merge.sweep_prompts", _positive, "> 0"),
     ("opd.router", lambda v: v == "oracle", "oracle"),
     ("opd.loss", lambda v: v in ("pg", "topk", "kl"), "pg, topk or kl"),
     ("opd.kl_alpha", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -374,6 +469,12 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _validate_rl(full)
   if "opd" in full:
     _validate_mopd(full)
+  if "merge" in full:
+    if full.merge.weights and len(full.merge.weights) != len(
+        full.data.domains):
+      raise ConfigError(f"merge.weights: {len(full.merge.weights)} weights"
+                        f" for {len(full.data.domains)} experts")
+    merge.parse_overrides(full.merge.overrides)
   return full
 
 

@@ -69,7 +69,7 @@ def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
     test = {d: list(exs)[:num_prompts]
             for d, exs in common.eval_sets(config, domains).items()}
     eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test, mesh)
-    step = config.train.steps
+    step = config.train.steps if "train" in config else 0
     scalars = eval_fn({"params": params}, step)
     if samples:
       scalars.update(_coverage(config, params, model_cfg, tokenizer, test,

@@ -27,9 +27,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Run directory: checkpoints, metrics, reports.")
 flags.mark_flags_as_required(["config", "workdir"])
 
-# method -> module with ``run(config, workdir)``
+# method -> module with ``run(config, workdir)`` (and optionally
+# ``check(config)``, which checks the runs it reads before anything is
+# written)
 STAGES = {"pretrain": "mopd_jax.stages.pretrain", "grpo": "mopd_jax.stages.rl",
-          "mix_rl": "mopd_jax.stages.rl", "mopd": "mopd_jax.stages.mopd"}
+          "mix_rl": "mopd_jax.stages.rl", "mopd": "mopd_jax.stages.mopd",
+          "merge": "mopd_jax.stages.merge"}
 
 
 def prepare_workdir(workdir: str) -> str:
@@ -55,12 +58,15 @@ def main(argv) -> None:
     config = config_lib.validate(_load_config())
     # Once per process, before anything touches a device.
     parallel.init_distributed(config.distributed)
-    workdir = prepare_workdir(_WORKDIR.value)
     resolve_model(config)
+    stage = importlib.import_module(STAGES[config.method])
+    if hasattr(stage, "check"):  # the runs it reads, before any writing
+      stage.check(config)
+    workdir = prepare_workdir(_WORKDIR.value)
     check_resumable(config, workdir)
     save_run_config(config, workdir)
     with parallel.use_rules(config.mesh.rules):
-      importlib.import_module(STAGES[config.method]).run(config, workdir)
+      stage.run(config, workdir)
   except UserError as e:
     fail(str(e))
 

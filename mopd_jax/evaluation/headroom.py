@@ -33,11 +33,12 @@ def run_accuracies(run_dir: str, mode: str = "greedy",
   return accuracies(final_scalars(run_dir, eval_file), mode)
 
 
-def accuracies(scalars: Mapping[str, float], mode: str = "greedy"
-               ) -> dict[str, float]:
+def accuracies(scalars: Mapping[str, float], mode: str = "greedy",
+               split: str = "eval") -> dict[str, float]:
   """``{domain: accuracy}`` from evaluation scalars
-  (``eval/<mode>/<domain>/accuracy``)."""
-  prefix = f"eval/{mode}/"
+  (``<split>/<mode>/<domain>/accuracy``; ``split``: eval for the test
+  split, validation)."""
+  prefix = f"{split}/{mode}/"
   return {k[len(prefix):-len("/accuracy")]: v for k, v in scalars.items()
           if k.startswith(prefix) and k.endswith("/accuracy")}
 

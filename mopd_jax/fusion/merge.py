@@ -39,6 +39,10 @@ _GTA = {
 }
 METHODS = ("linear", *_GTA, "model_stock", "slerp", "karcher",
            "sparse_union")
+# The methods that scale the mixed task vector by lambda, and those that
+# sparsify the task vectors to a density (what a sweep can tune).
+SCALED = (*_GTA, "sparse_union")
+SPARSIFIED = tuple(m for m, (how, _, _) in _GTA.items() if how)
 # Settings a name-pattern override may change; a value "a..b" ramps
 # linearly over the layers of a stacked leaf.
 OVERRIDABLE = ("density", "gamma", "lambda", "t", "tolerance")

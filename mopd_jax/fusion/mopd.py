@@ -35,10 +35,12 @@ from mopd_jax.rollout import sampler
 from mopd_jax.stages import common
 
 
-def parse_teachers(spec: str, domains) -> dict[str, str]:
-  """``{domain: run directory}`` from ``teachers``: a template with
-  ``{domain}`` (``runs/expert_{domain}``) or ``domain=dir`` pairs separated
-  by commas. Every training domain needs a teacher (oracle routing)."""
+def parse_teachers(spec: str, domains, field: str = "teachers"
+                   ) -> dict[str, str]:
+  """``{domain: run directory}`` from ``teachers`` (or Merge's ``experts``,
+  named by ``field``): a template with ``{domain}``
+  (``runs/expert_{domain}``) or ``domain=dir`` pairs separated by commas.
+  Every domain needs a run (oracle routing, one task vector each)."""
   if "{domain}" in spec:
     dirs = {d: spec.replace("{domain}", d) for d in domains}
   else:
@@ -46,12 +48,12 @@ def parse_teachers(spec: str, domains) -> dict[str, str]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
       domain, sep, path = item.partition("=")
       if not sep or not path:
-        raise ConfigError(f"teachers: {item!r} is not domain=run_dir (or use"
+        raise ConfigError(f"{field}: {item!r} is not domain=run_dir (or use"
                           " a template with {domain})")
       dirs[domain.strip()] = path.strip()
   for d in domains:
     if d not in dirs:
-      raise ConfigError(f"teachers: no teacher for domain {d!r}")
+      raise ConfigError(f"{field}: no run for domain {d!r}")
   return {d: dirs[d] for d in domains}
 
 

@@ -11,7 +11,7 @@ from typing import Sequence
 import jax
 import ml_collections
 
-from mopd_jax import checkpointing, parallel, training
+from mopd_jax import checkpointing, checksum, parallel, training
 from mopd_jax import config as config_lib
 from mopd_jax.data import tfds_builder
 from mopd_jax.data.domains import get_domain
@@ -99,7 +99,10 @@ def check_resumable(config, workdir: str) -> None:
   # Compared as JSON, the form config.json holds (tuples become lists).
   ours = json.loads(json.dumps(
       dict(config.to_dict(), tokenizer=CharTokenizer().fingerprint())))
-  for key in ("method", "model", "tokenizer"):
+  # A merge's checkpoint is its whole result: another merge is another run.
+  keys = ("method", "model", "tokenizer") + (
+      ("init", "experts", "seed", "merge") if config.method == "merge" else ())
+  for key in keys:
     found = key in saved and _first_difference(saved[key], ours.get(key),
                                                key)
     if found:
@@ -169,6 +172,39 @@ def load_params(run_dir: str, model_cfg, mesh):
                       param_shapes(model_cfg),
                       param_shardings(model_cfg, mesh))
   return checkpointing.load_params(run_dir, like)
+
+
+def check_same_model(run_dir: str, run_config, model_cfg, field: str) -> None:
+  """The run in ``run_dir`` must have ``model_cfg``'s architecture (its
+  parameters are combined entry by entry with this run's)."""
+  theirs = run_config.model.to_dict()
+  for key, mine in dataclasses.asdict(model_cfg).items():
+    if theirs.get(key) != mine:
+      raise CheckpointError(f"{field}: {run_dir} has model.{key} ="
+                            f" {theirs.get(key)!r}, the base {mine!r}")
+
+
+def leaf_loader(run_dirs: Sequence[str], model_cfg, mesh):
+  """``name -> [leaf of each run]``: one parameter leaf (``layers/q``) of
+  each run's final checkpoint, read only when asked for, sharded as the
+  parameter is on ``mesh``."""
+  like = dict(checksum.named_leaves(jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      param_shapes(model_cfg), param_shardings(model_cfg, mesh))))
+
+  def nested(name, leaf):
+    for part in reversed(name.split("/")):
+      leaf = {part: leaf}
+    return leaf
+
+  def load(name):
+    out = []
+    for run_dir in run_dirs:
+      tree = checkpointing.load_params(run_dir, nested(name, like[name]))
+      out.append(dict(checksum.named_leaves(tree))[name])
+    return out
+
+  return load
 
 
 def domain_splits(config, names: Sequence[str], split: str) -> dict:

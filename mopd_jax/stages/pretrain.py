@@ -21,6 +21,7 @@ from mopd_jax import parallel, training
 from mopd_jax.data import batching, mixture
 from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.errors import ConfigError
+from mopd_jax.evaluation import headroom
 from mopd_jax.objectives.sft import make_train_step
 from mopd_jax.stages import common
 
@@ -41,9 +42,7 @@ def batch_drawer(train_sets, weights: np.ndarray, seed: int, step: int):
 
 def validation_accuracy(scalars) -> dict[str, float]:
   """``{domain: greedy accuracy}`` from a validation evaluation's scalars."""
-  prefix, suffix = f"{VALIDATION}/greedy/", "/accuracy"
-  return {k[len(prefix):-len(suffix)]: v for k, v in scalars.items()
-          if k.startswith(prefix) and k.endswith(suffix)}
+  return headroom.accuracies(scalars, "greedy", VALIDATION)
 
 
 def selection(step: int, accuracy: dict[str, float], select) -> dict | None:

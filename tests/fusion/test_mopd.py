@@ -19,7 +19,7 @@ def test_parse_teachers_template_and_pairs():
       d: f"runs/e_{d}" for d in DOMAINS}
   assert mopd.parse_teachers("sort=c, add=a,chain=b", DOMAINS) == {
       "add": "a", "chain": "b", "sort": "c"}
-  with pytest.raises(ConfigError, match="no teacher for domain 'sort'"):
+  with pytest.raises(ConfigError, match="teachers: no run for domain 'sort'"):
     mopd.parse_teachers("add=a,chain=b", DOMAINS)
   with pytest.raises(ConfigError, match="not domain=run_dir"):
     mopd.parse_teachers("add=a,chain,sort=c", DOMAINS)

@@ -292,7 +292,7 @@ def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
                      f"--workdir={run}",
                      f"--config.init={base}", f"--config.teachers=add={base}",
                      f"--config.data.data_dir={data_dir}", *extra)
-  assert result.returncode == 2 and "no teacher for domain" in result.stderr
+  assert result.returncode == 2 and "teachers: no run for domain" in result.stderr
   teachers = ",".join(f"{d}={base}" for d in ("add", "chain", "instruct",
                                                 "sort"))
   result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",

@@ -1,0 +1,29 @@
+"""Merge: the experts' task vectors combined into one model, no training.
+
+    python -m mopd_jax.train --config=configs/merge.py --config.init=runs/base \
+        --config.experts='runs/expert_{domain}' --config.merge.method=ties \
+        --workdir=runs/merge_ties [--config.merge.sweep=True]
+
+``experts`` is a template with ``{domain}`` or ``domain=dir`` pairs (one
+run per domain of ``data.domains``). Methods: ``merge.method`` (linear,
+task_arithmetic, ties, dare_linear, dare_ties, breadcrumbs,
+breadcrumbs_ties, model_stock, slerp, karcher, sparse_union), with
+mergekit's parameters (``lambda``, ``density``, ``gamma``, ``t``,
+``weights``, ``normalize``); ``merge.overrides`` sets them per parameter
+by name pattern. ``merge.sweep`` chooses ``lambda`` (and ``density``) on
+the validation split. Variants: ``:smoke`` (seconds, for tests).
+"""
+
+from mopd_jax.config import defaults
+
+
+def get_config(variant: str = ""):
+  config = defaults("merge")
+  if variant == "smoke":
+    config.data.update(train_examples=64, test_examples=16)
+    config.eval.update(num_prompts=8, batch_size=8)
+    config.merge.update(sweep_lambdas=(0.5, 1.0), sweep_densities=(0.5,),
+                        sweep_prompts=8)
+  elif variant:
+    raise ValueError(f"unknown variant {variant!r} of configs/merge.py")
+  return config

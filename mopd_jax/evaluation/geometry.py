@@ -1,0 +1,201 @@
+"""Task-vector geometry of experts trained from one base.
+
+With ``tau_d = theta_d - theta_base`` (every parameter, flattened):
+
+* cosine similarity ``<tau_d, tau_e> / (||tau_d|| ||tau_e||)`` over the
+  whole model, per layer (the layer's slice of every stacked leaf) and per
+  kind of parameter (attention, MLP, embeddings, norms);
+* sparsity: the fraction of entries with ``|tau_d| > tolerance`` (changed);
+* sign conflict between two experts: among the entries both changed, the
+  fraction whose changes have opposite signs;
+* support overlap: ``|S_d & S_e| / |S_d | S_e|`` of the changed sets;
+* principal-subspace overlap per layer: for each weight matrix of the
+  layer (rows in model space), ``||U_d^T U_e||_F^2 / r`` of the top-``r``
+  left singular vectors of the two experts' updates, averaged over the
+  layer's matrices (1: the same subspace, ~r/D: unrelated).
+
+Accumulated leaf by leaf (float64), so only one leaf per expert is in
+memory. ``python -m mopd_jax.evaluation.geometry --init=BASE
+--experts='runs/expert_{domain}' --out=DIR`` writes ``geometry.json`` and
+the figures alone; the Merge stage writes them with every merge.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from mopd_jax.atomic import write_bytes_atomic, write_json_atomic
+from mopd_jax.evaluation.figures import png_bytes, pyplot
+
+KINDS = {
+    "attention": ("q", "k", "v", "o", "q_norm", "k_norm", "q_bias",
+                  "k_bias", "v_bias"),
+    "mlp": ("gate", "up", "down"),
+    "embeddings": ("embed", "unembed"),
+    "norms": ("attn_norm", "mlp_norm", "final_norm"),
+}
+SUBSPACE_RANK = 8
+GEOMETRY_FILE = "geometry.json"
+
+
+def kind_of(name: str) -> str:
+  """The kind of the parameter leaf ``name`` (its last path component)."""
+  leaf = name.rsplit("/", 1)[-1]
+  return next((k for k, names in KINDS.items() if leaf in names), "other")
+
+
+def _matrix(name: str, tau: np.ndarray, embed_dim: int) -> np.ndarray | None:
+  """One layer's update of a weight matrix as [embed_dim, -1] (rows in
+  model space), or None for vectors."""
+  if tau.ndim < 2:
+    return None
+  if tau.shape[0] == embed_dim:
+    return tau.reshape(embed_dim, -1)
+  if tau.shape[-1] == embed_dim:
+    return tau.reshape(-1, embed_dim).T
+  return None
+
+
+def subspace_overlap(a: np.ndarray, b: np.ndarray, rank: int) -> float:
+  """``||U_a^T U_b||_F^2 / r`` for the top-``r`` left singular vectors of
+  ``a`` and ``b`` (``r = min(rank, rows, cols)``)."""
+  r = min(rank, *a.shape)
+  ua = np.linalg.svd(a, full_matrices=False)[0][:, :r]
+  ub = np.linalg.svd(b, full_matrices=False)[0][:, :r]
+  return float(np.sum((ua.T @ ub) ** 2) / r)
+
+
+class _Tally:
+  """Gram matrix and support counts of one group of entries."""
+
+  def __init__(self, n: int):
+    self.gram = np.zeros((n, n))
+    self.size = 0
+    self.changed = np.zeros(n)
+    self.both = np.zeros((n, n))
+    self.union = np.zeros((n, n))
+    self.opposite = np.zeros((n, n))
+
+  def add(self, taus: np.ndarray, tolerance: float) -> None:
+    flat = taus.reshape(taus.shape[0], -1)
+    self.gram += flat @ flat.T
+    self.size += flat.shape[1]
+    changed = np.abs(flat) > tolerance
+    self.changed += changed.sum(1)
+    c = changed.astype(np.float64)
+    self.both += c @ c.T
+    self.union += c.sum(1)[:, None] + c.sum(1)[None, :] - c @ c.T
+    sign = np.sign(flat) * changed
+    self.opposite += ((sign @ sign.T) * -1 + c @ c.T) / 2  # pairs with -1
+
+  def cosine(self) -> np.ndarray:
+    norms = np.sqrt(np.diag(self.gram))
+    denom = np.outer(norms, norms)
+    return np.where(denom > 0, self.gram / np.where(denom > 0, denom, 1), 0.0)
+
+
+def task_vector_geometry(names: Sequence[str], base_leaf: Callable,
+                         expert_leaves: Callable, domains: Sequence[str],
+                         embed_dim: int, stacked: Callable[[str], bool],
+                         tolerance: float = 0.0,
+                         rank: int = SUBSPACE_RANK) -> dict:
+  """The geometry of the experts' task vectors (module docstring), from
+  the leaves ``names``: ``base_leaf(name)`` and ``expert_leaves(name)``
+  (one per domain), ``stacked(name)`` when axis 0 holds layers. Matrices
+  are ``{domain: {domain: value}}``."""
+  n = len(domains)
+  model, kinds, layers = _Tally(n), {}, {}
+  overlaps: dict[int, list] = {}
+  for name in names:
+    base = np.asarray(base_leaf(name), np.float64)
+    taus = np.stack([np.asarray(x, np.float64) - base
+                     for x in expert_leaves(name)])
+    model.add(taus, tolerance)
+    kinds.setdefault(kind_of(name), _Tally(n)).add(taus, tolerance)
+    if not stacked(name):
+      continue
+    for layer in range(taus.shape[1]):
+      layers.setdefault(layer, _Tally(n)).add(taus[:, layer], tolerance)
+      mats = [_matrix(name, t[layer], embed_dim) for t in taus]
+      if mats[0] is not None:
+        overlaps.setdefault(layer, []).append(np.array([
+            [subspace_overlap(mats[i], mats[j], rank) for j in range(n)]
+            for i in range(n)]))
+
+  def by_domain(matrix) -> dict:
+    return {d: {e: float(matrix[i, j]) for j, e in enumerate(domains)}
+            for i, d in enumerate(domains)}
+
+  both = np.where(model.both > 0, model.both, 1)
+  union = np.where(model.union > 0, model.union, 1)
+  return dict(
+      experts=list(domains), tolerance=tolerance,
+      norm={d: float(np.sqrt(model.gram[i, i]))
+            for i, d in enumerate(domains)},
+      cosine=by_domain(model.cosine()),
+      cosine_per_layer={str(l): by_domain(t.cosine())
+                        for l, t in sorted(layers.items())},
+      cosine_per_kind={k: by_domain(t.cosine())
+                       for k, t in sorted(kinds.items())},
+      sparsity={d: float(model.changed[i] / model.size)
+                for i, d in enumerate(domains)},
+      sign_conflict=by_domain(model.opposite / both),
+      support_overlap=by_domain(model.both / union),
+      subspace_overlap_per_layer={
+          str(l): by_domain(np.mean(o, axis=0))
+          for l, o in sorted(overlaps.items())},
+      subspace_rank=rank)
+
+
+def pairs(domains: Sequence[str]) -> list[tuple[str, str]]:
+  return list(itertools.combinations(domains, 2))
+
+
+def figures(geometry: Mapping) -> dict[str, bytes]:
+  """PNG bytes: ``cosine.png`` (the whole-model cosine heatmap) and
+  ``cosine_per_layer.png`` (each pair's cosine and subspace overlap
+  against the layer)."""
+  plt = pyplot()
+  domains = geometry["experts"]
+  matrix = np.array([[geometry["cosine"][d][e] for e in domains]
+                     for d in domains])
+  fig, ax = plt.subplots(figsize=(4.8, 4))
+  image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1)
+  ax.set_xticks(range(len(domains)), domains, rotation=45)
+  ax.set_yticks(range(len(domains)), domains)
+  for i, j in itertools.product(range(len(domains)), repeat=2):
+    ax.text(j, i, f"{matrix[i, j]:.2f}", ha="center", va="center",
+            fontsize=8)
+  fig.colorbar(image, ax=ax)
+  ax.set_title("task-vector cosine (whole model)")
+  fig.tight_layout()
+  out = {"cosine.png": png_bytes(fig)}
+
+  layers = sorted(geometry["cosine_per_layer"], key=int)
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+  for d, e in pairs(domains):
+    axes[0].plot([int(l) for l in layers],
+                 [geometry["cosine_per_layer"][l][d][e] for l in layers],
+                 marker="o", label=f"{d}-{e}")
+    sub = geometry["subspace_overlap_per_layer"]
+    axes[1].plot([int(l) for l in sorted(sub, key=int)],
+                 [sub[l][d][e] for l in sorted(sub, key=int)], marker="o")
+  axes[0].set(xlabel="layer", ylabel="cosine", title="cosine per layer")
+  axes[1].set(xlabel="layer", ylabel="overlap",
+              title=f"top-{geometry['subspace_rank']} subspace overlap")
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  out["cosine_per_layer.png"] = png_bytes(fig)
+  return out
+
+
+def write(out_dir: str, geometry: Mapping) -> None:
+  """``geometry.json`` and the figures into ``out_dir`` (atomically)."""
+  os.makedirs(out_dir, exist_ok=True)
+  write_json_atomic(os.path.join(out_dir, GEOMETRY_FILE), dict(geometry))
+  for name, data in figures(geometry).items():
+    write_bytes_atomic(os.path.join(out_dir, name), data)

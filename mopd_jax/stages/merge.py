@@ -1,0 +1,141 @@
+"""Merge: the experts' task vectors combined into one model, no training.
+
+Loads the base (``init``) and reads the experts (``experts``, one run per
+domain, checked against the base's architecture and tokenizer) one leaf at
+a time; merges with ``merge.method`` (``fusion/merge.py``), after choosing
+``lambda`` (and ``density``) on the validation split when ``merge.sweep``;
+writes the merged model as an ordinary finished run (a checkpoint of step
+0 and ``config.json``, so it can be any later run's init, teacher or
+expert), its evaluation on the test split (``eval.json``), the task-vector
+geometry (``geometry.json`` and figures), ``sweep.json`` and
+``summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+import numpy as np
+
+from mopd_jax import atomic, parallel, training
+from mopd_jax.checkpointing import Checkpointer
+from mopd_jax.checksum import named_leaves
+from mopd_jax.evaluation import geometry, headroom
+from mopd_jax.fusion import merge, mopd
+from mopd_jax.stages import common
+
+SWEEP_FILE = "sweep.json"
+VALIDATION = "validation"
+
+
+def settings_from(section, count: int) -> merge.Settings:
+  """The ``merge`` config section as ``Settings`` for ``count`` experts."""
+  normalize = {"auto": None, "on": True, "off": False}[section.normalize]
+  return merge.Settings(
+      method=section.method,
+      weights=tuple(section.weights) or (1.0,) * count,
+      density=section.density, gamma=section.gamma, lam=section["lambda"],
+      t=section.t, tolerance=section.tolerance, normalize=normalize,
+      rescale=section.rescale)
+
+
+def sweep_grid(settings: merge.Settings, lambdas, densities) -> list[dict]:
+  """The settings the sweep scores: ``lambda`` for the methods that scale
+  the mixed task vector, times ``density`` for those that sparsify it;
+  empty for the methods with neither."""
+  axes = {}
+  if settings.method in merge.SCALED:
+    axes["lam"] = tuple(lambdas)
+  if settings.method in merge.SPARSIFIED:
+    axes["density"] = tuple(densities)
+  return [dict(zip(axes, values))
+          for values in itertools.product(*axes.values())]
+
+
+def _is_stacked(name: str) -> bool:
+  return name.startswith("layers/")
+
+
+def check(config) -> dict[str, str]:
+  """``{domain: expert run}``, each run checked against the base's
+  tokenizer and architecture; the method's expert count."""
+  tokenizer, model_cfg, _ = common.setup(config)
+  dirs = mopd.parse_teachers(config.experts, tuple(config.data.domains),
+                             field="experts")
+  for run_dir in dirs.values():
+    run_config = common.load_run_config(run_dir)
+    common.check_same_tokens(run_dir, run_config, tokenizer, "experts")
+    common.check_same_model(run_dir, run_config, model_cfg, "experts")
+  merge.check_experts(config.merge.method, len(dirs))
+  return dirs
+
+
+def run(config, workdir: str):
+  """Merge, evaluate and describe; returns ``{"params": merged}``."""
+  tokenizer, model_cfg, mesh = common.setup(config)
+  names = tuple(config.data.domains)
+  dirs = check(config)
+  settings = settings_from(config.merge, len(dirs))
+  rules = merge.parse_overrides(config.merge.overrides)
+  base = common.load_params(config.init, model_cfg, mesh)
+  expert_leaves = common.leaf_loader(list(dirs.values()), model_cfg, mesh)
+
+  def merged(s):
+    with parallel.activate(mesh):
+      return merge.merge_params(base, expert_leaves, s, rules, config.seed,
+                                _is_stacked)
+
+  grid = sweep_grid(settings, config.merge.sweep_lambdas,
+                    config.merge.sweep_densities) if config.merge.sweep else []
+  if grid:
+    settings = _sweep(config, workdir, settings, grid, merged, model_cfg,
+                      tokenizer, mesh)
+  params = merged(settings)
+  ckpt = Checkpointer(workdir, every=1, keep=1)
+  try:
+    if 0 not in ckpt.all_steps():
+      ckpt.save(0, {"params": params}, force=True)
+  finally:
+    ckpt.close()
+
+  test_sets = common.eval_sets(config, config.eval.domains)
+  scalars = common.make_eval_fn(config, model_cfg, tokenizer, test_sets,
+                                mesh)({"params": params}, 0)
+  common.write_eval(workdir, 0)(scalars)
+  base_leaves = dict(named_leaves(base))
+  found = geometry.task_vector_geometry(
+      list(base_leaves), base_leaves.__getitem__, expert_leaves, names,
+      model_cfg.embed_dim, _is_stacked, tolerance=config.merge.tolerance)
+  geometry.write(workdir, found)
+  print("task-vector cosine:\n" + "\n".join(
+      f"  {d:9s}" + " ".join(f"{found['cosine'][d][e]:6.3f}" for e in names)
+      for d in names))
+  training.write_summary(workdir, 0, params,
+                         merge=dataclasses.asdict(settings))
+  return {"params": params}
+
+
+def _sweep(config, workdir, settings, grid, merged, model_cfg, tokenizer,
+           mesh) -> merge.Settings:
+  """Score each grid point by its mean greedy accuracy on the first
+  ``merge.sweep_prompts`` validation prompts of every merged domain; write
+  ``sweep.json``; return the best settings (the first of equals)."""
+  sets = common.domain_splits(config, config.data.domains, VALIDATION)
+  evaluate = common.make_eval_fn(config, model_cfg, tokenizer, sets, mesh,
+                                 greedy_only=True, prefix=VALIDATION,
+                                 num_prompts=config.merge.sweep_prompts)
+  scored = []
+  for point in grid:
+    candidate = dataclasses.replace(settings, **point)
+    accuracy = headroom.accuracies(evaluate({"params": merged(candidate)}, 0),
+                                   "greedy", VALIDATION)
+    scored.append(dict(point, accuracy=accuracy,
+                       mean=float(np.mean(list(accuracy.values())))))
+    print(f"sweep {point}: mean validation greedy {scored[-1]['mean']:.3f}")
+  best = max(range(len(scored)), key=lambda i: (scored[i]["mean"], -i))
+  atomic.write_json_atomic(os.path.join(workdir, SWEEP_FILE), dict(
+      method=settings.method, prompts=config.merge.sweep_prompts,
+      split=VALIDATION, grid=scored, best=grid[best]))
+  return dataclasses.replace(settings, **grid[best])
