@@ -44,11 +44,10 @@ import jax
 import numpy as np
 import optax
 
-from mopd_jax import parallel, training
+from mopd_jax import parallel, runs, training
 from mopd_jax.models import decoder
 from mopd_jax.models.config import PRESETS, ModelConfig
 from mopd_jax.objectives.sft import make_train_step
-from mopd_jax.stages import common
 
 MODELS = ("tiny", "qwen7b")
 
@@ -152,8 +151,8 @@ def check() -> list[tuple[str, float, float]]:
   with parallel.activate(mesh):
     params = jax.device_put(
         jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
-                     common.param_shapes(cfg)),
-        common.param_shardings(cfg, mesh))
+                     runs.param_shapes(cfg)),
+        runs.param_shardings(cfg, mesh))
     state = training.init_state(params, optimizer)
     data = parallel.shard_batch(mesh, dict(tokens=tokens, segment_ids=tokens,
                                            loss_mask=tokens))

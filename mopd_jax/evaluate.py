@@ -21,12 +21,12 @@ import jax
 from absl import app, flags, logging
 
 from mopd_jax import config as config_lib
-from mopd_jax import parallel, training
+from mopd_jax import parallel, runs, training
+from mopd_jax.data import splits
 from mopd_jax.data.domains import DOMAINS
 from mopd_jax.errors import ConfigError, UserError, fail
-from mopd_jax.evaluation import pass_at_k
+from mopd_jax.evaluation import evaluator, pass_at_k
 from mopd_jax.models.tokenizer import CharTokenizer
-from mopd_jax.stages import common
 
 _RUN = flags.DEFINE_string("run", None, "Run directory to evaluate.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 960,
@@ -58,17 +58,17 @@ def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
     raise ConfigError(f"--num_prompts: {num_prompts} must be > 0")
   if samples < 0:
     raise ConfigError(f"--samples: {samples} must be >= 0")
-  config = common.load_run_config(run_dir)
-  common.check_same_tokens(run_dir, config, CharTokenizer(), "--run")
+  config = runs.load_run_config(run_dir)
+  runs.check_same_tokens(run_dir, config, CharTokenizer(), "--run")
   config.data.eval_jsonl = ""
   config.data.test_examples = max(num_prompts, config.data.test_examples)
   config.eval.num_prompts = num_prompts
-  tokenizer, model_cfg, mesh = common.setup(config)
+  tokenizer, model_cfg, mesh = runs.setup(config)
   with parallel.use_rules(config.mesh.get("rules", parallel.DEFAULT_RULES)):
-    params = common.load_params(run_dir, model_cfg, mesh)
+    params = runs.load_params(run_dir, model_cfg, mesh)
     test = {d: list(exs)[:num_prompts]
-            for d, exs in common.eval_sets(config, domains).items()}
-    eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test, mesh)
+            for d, exs in splits.eval_sets(config, domains).items()}
+    eval_fn = evaluator.make_eval_fn(config, model_cfg, tokenizer, test, mesh)
     step = config.train.steps if "train" in config else 0
     scalars = eval_fn({"params": params}, step)
     if samples:

@@ -17,7 +17,7 @@ from ml_collections import config_flags
 from mopd_jax import config as config_lib
 from mopd_jax import parallel
 from mopd_jax.errors import UserError, fail
-from mopd_jax.stages.common import (check_resumable, resolve_model,
+from mopd_jax.runs import (check_resumable, resolve_model,
                                     save_run_config)
 
 _CONFIG = config_flags.DEFINE_config_file(

@@ -13,16 +13,15 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import ROOT
 from jax.sharding import PartitionSpec as P
 
-from conftest import ROOT
 from mopd_jax import config as config_lib
-from mopd_jax import metrics, parallel, training
+from mopd_jax import metrics, parallel, runs, training
 from mopd_jax.errors import ConfigError
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.objectives.sft import make_train_step
 from mopd_jax.rollout import sampler
-from mopd_jax.stages import common
 
 CFG = ModelConfig(vocab_size=40, embed_dim=32, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -51,14 +50,14 @@ def test_make_mesh_shapes_and_errors():
 def test_rule_sets_place_parameters(rules, q_spec, embed_spec):
   mesh = parallel.make_mesh(2, 2, 2)
   with parallel.use_rules(rules):
-    shardings = common.param_shardings(CFG, mesh)
+    shardings = runs.param_shardings(CFG, mesh)
   assert shardings["layers"]["q"].spec == q_spec
   assert shardings["embed"].spec == embed_spec
 
 
 def test_axes_that_do_not_divide_stay_replicated():
   one_kv = dataclasses.replace(CFG, num_kv_heads=1)
-  shardings = common.param_shardings(one_kv, parallel.make_mesh(2, 2, 2))
+  shardings = runs.param_shardings(one_kv, parallel.make_mesh(2, 2, 2))
   assert shardings["layers"]["k"].spec == P(None, "fsdp", None, None)
   # A batch of 2 over data x fsdp = 2 x 4 goes over data alone.
   assert parallel.batch_sharding(parallel.make_mesh(2, 4, 1),
@@ -81,9 +80,9 @@ def _run(mesh, params=None):
   prompt = np.random.default_rng(1).integers(3, 40, (8, 5)).astype(np.int32)
   with parallel.activate(mesh):
     if params is None:
-      params = common.init_params(CFG, mesh, 0)
+      params = runs.init_params(CFG, mesh, 0)
     else:
-      params = jax.device_put(params, common.param_shardings(CFG, mesh))
+      params = jax.device_put(params, runs.param_shardings(CFG, mesh))
     state = training.init_state(params, OPT)
     rollout = sampler.sample(state["params"], CFG, prompt,
                              np.ones_like(prompt), jax.random.key(0), GREEDY)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mopd_jax import parallel
+from mopd_jax import parallel, runs
 from mopd_jax.data import mixture
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
@@ -32,7 +32,6 @@ from mopd_jax.models.config import ModelConfig
 from mopd_jax.objectives import opd
 from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
-from mopd_jax.stages import common
 
 
 def parse_teachers(spec: str, domains, field: str = "teachers"
@@ -75,10 +74,10 @@ class Teacher:
 def load_model(run_dir: str, tokenizer, mesh) -> tuple[Model, Any]:
   """The final parameters of the run in ``run_dir`` and its run config; the
   run must share the student's token ids."""
-  run_config = common.load_run_config(run_dir)
-  common.check_same_tokens(run_dir, run_config, tokenizer, "teachers")
+  run_config = runs.load_run_config(run_dir)
+  runs.check_same_tokens(run_dir, run_config, tokenizer, "teachers")
   cfg = ModelConfig(**run_config.model.to_dict())
-  return Model(cfg, common.load_params(run_dir, cfg, mesh)), run_config
+  return Model(cfg, runs.load_params(run_dir, cfg, mesh)), run_config
 
 
 def load_teachers(dirs: dict[str, str], tokenizer, mesh, with_init: bool

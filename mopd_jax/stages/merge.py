@@ -19,12 +19,12 @@ import os
 
 import numpy as np
 
-from mopd_jax import atomic, parallel, training
+from mopd_jax import atomic, parallel, runs, training
 from mopd_jax.checkpointing import Checkpointer
 from mopd_jax.checksum import named_leaves
-from mopd_jax.evaluation import geometry, headroom
+from mopd_jax.data import splits
+from mopd_jax.evaluation import evaluator, geometry, headroom
 from mopd_jax.fusion import merge, mopd
-from mopd_jax.stages import common
 
 SWEEP_FILE = "sweep.json"
 VALIDATION = "validation"
@@ -61,26 +61,26 @@ def _is_stacked(name: str) -> bool:
 def check(config) -> dict[str, str]:
   """``{domain: expert run}``, each run checked against the base's
   tokenizer and architecture; the method's expert count."""
-  tokenizer, model_cfg, _ = common.setup(config)
+  tokenizer, model_cfg, _ = runs.setup(config)
   dirs = mopd.parse_teachers(config.experts, tuple(config.data.domains),
                              field="experts")
   for run_dir in dirs.values():
-    run_config = common.load_run_config(run_dir)
-    common.check_same_tokens(run_dir, run_config, tokenizer, "experts")
-    common.check_same_model(run_dir, run_config, model_cfg, "experts")
+    run_config = runs.load_run_config(run_dir)
+    runs.check_same_tokens(run_dir, run_config, tokenizer, "experts")
+    runs.check_same_model(run_dir, run_config, model_cfg, "experts")
   merge.check_experts(config.merge.method, len(dirs))
   return dirs
 
 
 def run(config, workdir: str):
   """Merge, evaluate and describe; returns ``{"params": merged}``."""
-  tokenizer, model_cfg, mesh = common.setup(config)
+  tokenizer, model_cfg, mesh = runs.setup(config)
   names = tuple(config.data.domains)
   dirs = check(config)
   settings = settings_from(config.merge, len(dirs))
   rules = merge.parse_overrides(config.merge.overrides)
-  base = common.load_params(config.init, model_cfg, mesh)
-  expert_leaves = common.leaf_loader(list(dirs.values()), model_cfg, mesh)
+  base = runs.load_params(config.init, model_cfg, mesh)
+  expert_leaves = runs.leaf_loader(list(dirs.values()), model_cfg, mesh)
 
   def merged(s):
     with parallel.activate(mesh):
@@ -100,10 +100,10 @@ def run(config, workdir: str):
   finally:
     ckpt.close()
 
-  test_sets = common.eval_sets(config, config.eval.domains)
-  scalars = common.make_eval_fn(config, model_cfg, tokenizer, test_sets,
+  test_sets = splits.eval_sets(config, config.eval.domains)
+  scalars = evaluator.make_eval_fn(config, model_cfg, tokenizer, test_sets,
                                 mesh)({"params": params}, 0)
-  common.write_eval(workdir, 0)(scalars)
+  runs.write_eval(workdir, 0)(scalars)
   base_leaves = dict(named_leaves(base))
   found = geometry.task_vector_geometry(
       list(base_leaves), base_leaves.__getitem__, expert_leaves, names,
@@ -122,8 +122,8 @@ def _sweep(config, workdir, settings, grid, merged, model_cfg, tokenizer,
   """Score each grid point by its mean greedy accuracy on the first
   ``merge.sweep_prompts`` validation prompts of every merged domain; write
   ``sweep.json``; return the best settings (the first of equals)."""
-  sets = common.domain_splits(config, config.data.domains, VALIDATION)
-  evaluate = common.make_eval_fn(config, model_cfg, tokenizer, sets, mesh,
+  sets = splits.domain_splits(config, config.data.domains, VALIDATION)
+  evaluate = evaluator.make_eval_fn(config, model_cfg, tokenizer, sets, mesh,
                                  greedy_only=True, prefix=VALIDATION,
                                  num_prompts=config.merge.sweep_prompts)
   scored = []

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mopd_jax import atomic, parallel, training
+from mopd_jax import atomic, parallel, runs
 from mopd_jax import config as config_lib
 from mopd_jax.data import mixture
 from mopd_jax.errors import CheckpointError, ConfigError
@@ -27,7 +27,7 @@ from mopd_jax.fusion import mopd
 from mopd_jax.objectives import grpo, opd, policy
 from mopd_jax.ops import vocab
 from mopd_jax.reductions import masked_sum_count
-from mopd_jax.stages import common, rl
+from mopd_jax.stages import on_policy
 
 
 def full_vocabulary(opd_cfg) -> bool:
@@ -164,78 +164,72 @@ def write_headroom(workdir: str, scalars: dict, base_dir: str,
         f"{d} {100 * v:.1f}%" for d, v in r.items()))
 
 
-def run(config, workdir: str):
-  """Distil the teachers into the student; returns the final state."""
-  tokenizer, model_cfg, mesh = common.setup(config)
-  rl_cfg, opd_cfg, om = config.rl, config.opd, config.open_mopd
-  if opd_cfg.loss == "topk" and opd_cfg.top_k > model_cfg.vocab_size:
-    raise ConfigError(f"opd.top_k: {opd_cfg.top_k} exceeds the vocabulary of"
-                      f" {model_cfg.vocab_size}")
-  batch = rl_cfg.prompts_per_step * rl_cfg.group_size
-  common.check_divisible(mesh, batch // rl_cfg.minibatches, "rl.minibatches")
-  names = tuple(config.data.domains)
-  base = mixture.base_weights(names, config.data.weights)
-  teacher_mesh = mopd.teacher_mesh(mesh, opd_cfg.teacher_devices)
-  teachers = mopd.load_teachers(mopd.parse_teachers(config.teachers, names),
-                                tokenizer, teacher_mesh,
-                                with_init=opd_cfg.proxy_teacher)
-  test_sets = common.eval_sets(config, config.eval.domains)
-  sampling = config_lib.sampling_config(config.sampling, tokenizer)
-  rollouts = rl.Rollouts(config, tokenizer, model_cfg, mesh, names, sampling)
-  router = mopd.ROUTERS[opd_cfg.router](names, teachers)
-  params = common.load_params(config.init, model_cfg, mesh)
-  needs_base = rl_cfg.beta > 0 or opd_cfg.extrapolation != 1.0
-  # A copy: the student's own buffers are donated to every update.
-  base_params = jax.tree.map(jnp.copy, params) if needs_base else None
-  student_init = (mopd.Model(model_cfg, common.load_params(
-      config.init, model_cfg, teacher_mesh)) if opd_cfg.proxy_teacher
-                  else None)
-  wide = full_vocabulary(opd_cfg)
-  ops = config_lib.op_options(config)
-  scorers, teacher_params, teacher_cfgs = [], [], []
-  for t in teachers:
-    models, signs = mopd.teacher_models(t, student_init)
-    teacher_cfgs.append(tuple(m.cfg for m in models))
-    teacher_params.append(tuple(m.params for m in models))
-    scorers.append(mopd.make_scorer(teacher_cfgs[-1], signs,
-                                    opd_cfg.entropy_threshold > 0, wide,
-                                    tuple(ops.items())))
-  # The loss reads the teachers' unembeddings on the student's mesh.
-  teacher_w = jax.device_put(
-      stacked_unembeddings(teacher_params, teacher_cfgs) if wide
-      else jnp.zeros((len(teachers), 1, 1)), parallel.replicated(mesh))
-  hidden_width = int(teacher_w.shape[1]) if wide else 0
+class MOPD:
+  """The ``on_policy.Method`` of multi-teacher distillation: each sample
+  scored by its domain's teacher; Open-MOPD's loss weights and gap state."""
 
-  optimizer = training.make_optimizer(config.optim, config.train.steps)
-  with parallel.activate(mesh):
-    state = training.init_state(params, optimizer)
-  state["gap"] = mopd.init_gap_state(len(names))
-  update = rl.make_update(
-      make_loss(model_cfg, sampling, rl_cfg, opd_cfg, om.reward_refresh, ops),
-      optimizer)
+  def __init__(self, config, tokenizer, model_cfg, mesh, params):
+    del params
+    self.config = config
+    opd_cfg, self.om = config.opd, config.open_mopd
+    if opd_cfg.loss == "topk" and opd_cfg.top_k > model_cfg.vocab_size:
+      raise ConfigError(f"opd.top_k: {opd_cfg.top_k} exceeds the vocabulary"
+                        f" of {model_cfg.vocab_size}")
+    self.names = tuple(config.data.domains)
+    self.base = mixture.base_weights(self.names, config.data.weights)
+    self.teacher_mesh = mopd.teacher_mesh(mesh, opd_cfg.teacher_devices)
+    self.teachers = mopd.load_teachers(
+        mopd.parse_teachers(config.teachers, self.names), tokenizer,
+        self.teacher_mesh, with_init=opd_cfg.proxy_teacher)
+    self.router = mopd.ROUTERS[opd_cfg.router](self.names, self.teachers)
+    student_init = (mopd.Model(model_cfg, runs.load_params(
+        config.init, model_cfg, self.teacher_mesh)) if opd_cfg.proxy_teacher
+                    else None)
+    wide = full_vocabulary(opd_cfg)
+    ops = config_lib.op_options(config)
+    self.scorers, self.teacher_params, teacher_cfgs = [], [], []
+    for t in self.teachers:
+      models, signs = mopd.teacher_models(t, student_init)
+      teacher_cfgs.append(tuple(m.cfg for m in models))
+      self.teacher_params.append(tuple(m.params for m in models))
+      self.scorers.append(mopd.make_scorer(
+          teacher_cfgs[-1], signs, opd_cfg.entropy_threshold > 0, wide,
+          tuple(ops.items())))
+    # The loss reads the teachers' unembeddings on the student's mesh.
+    teacher_w = jax.device_put(
+        stacked_unembeddings(self.teacher_params, teacher_cfgs) if wide
+        else jnp.zeros((len(self.teachers), 1, 1)),
+        parallel.replicated(mesh))
+    self.hidden_width = int(teacher_w.shape[1]) if wide else 0
+    self.shared = (teacher_w,)
 
-  def gap_now(gap_state):
+  def init_state(self) -> dict:
+    return {"gap": mopd.init_gap_state(len(self.names))}
+
+  def gap_now(self, gap_state) -> np.ndarray:
+    om = self.om
     if not om.gap_budget:
-      return np.ones(len(names))
+      return np.ones(len(self.names))
     return mopd.gap_factors(mopd.remaining_gap(gap_state, om.gap_relative),
-                            gap_state["count"] > 0, base, om.gap_alpha,
+                            gap_state["count"] > 0, self.base, om.gap_alpha,
                             om.gap_min, om.gap_max)
 
-  def step_fn(state, step):
-    weights = base
-    if om.gap_budget and om.gap_steers in ("sampling", "both"):
-      weights = base * gap_now(state["gap"])
-      weights = weights / weights.sum()
-    _, ids, prompt, prompt_mask, rollout, rewards = rollouts(
-        state["params"], weights, step)
-    data, _ = rl.rollout_batch(rollout, prompt, prompt_mask, rewards, rl_cfg)
-    seq_ids = np.repeat(ids, rl_cfg.group_size)
-    teacher_ids = router.route(seq_ids)
-    data.update(mopd.score(scorers, teacher_params, teacher_ids, data,
-                           teacher_mesh, hidden_width))
-    data["teacher_id"] = teacher_ids.astype(np.int32)
-    rollouts.add_policy_inputs(data, state["params"], base_params)
+  def proportions(self, state) -> np.ndarray:
+    if self.om.gap_budget and self.om.gap_steers in ("sampling", "both"):
+      weights = self.base * self.gap_now(state["gap"])
+      return weights / weights.sum()
+    return self.base
 
+  def signal(self, state, data, seq_ids) -> None:
+    """Each sample routed to one teacher, which scores its tokens."""
+    teacher_ids = self.router.route(seq_ids)
+    data.update(mopd.score(self.scorers, self.teacher_params, teacher_ids,
+                           data, self.teacher_mesh, self.hidden_width))
+    data["teacher_id"] = teacher_ids.astype(np.int32)
+
+  def weigh(self, state, data, seq_ids) -> dict:
+    """The gap state and the per-domain loss weights of this batch."""
+    om = self.om
     mask = data["mask"].astype(bool)
     signal = np.where(mask, opd.token_signal(data["teacher_logp"],
                                              data["old_logp"]), 0.0)
@@ -244,38 +238,47 @@ def run(config, workdir: str):
         state["gap"], *mopd.gap_observations(signal, mask, seq_ids,
                                              om.gap_statistic),
         om.gap_momentum)
-    tokens = np.bincount(token_domain, minlength=len(names)).astype(float)
-    loss_w = domain_loss_weights(tokens, gap_now(gap_state), om, len(names))
+    tokens = np.bincount(token_domain, minlength=len(self.names)).astype(
+        float)
+    loss_w = domain_loss_weights(tokens, self.gap_now(gap_state), om,
+                                 len(self.names))
     data["weight"] = loss_w[seq_ids].astype(np.float32)
+    return {"gap": gap_state}, (signal[mask], token_domain, tokens, loss_w)
 
-    train = dict(params=state["params"], opt_state=state["opt_state"])
-    with parallel.activate(mesh):
-      train, pairs = rl.optimise(
-          train, data, update, rl_cfg,
-          np.random.default_rng([config.seed, step, 1]), mesh, (teacher_w,))
-    new_state = dict(train, step=state["step"] + 1, gap=gap_state)
-    rl.batch_metrics(pairs, names, seq_ids, data["mask"], rewards, weights)
+  def metrics(self, state, new_state, ids, data, informative, notes):
+    """Per domain: loss share, signal, reverse KL, gap, loss weight."""
+    signal, token_domain, tokens, loss_w = notes
     effective = loss_w * tokens
-    signal_sums = np.bincount(token_domain, weights=signal[mask],
-                              minlength=len(names))
-    for d, name in enumerate(names):
+    signal_sums = np.bincount(token_domain, weights=signal,
+                              minlength=len(self.names))
+    pairs = {}
+    for d, name in enumerate(self.names):
       pairs[f"share/loss/{name}"] = (effective[d], effective.sum())
       pairs[f"signal/{name}"] = (signal_sums[d], tokens[d])
       pairs[f"reverse_kl/{name}"] = (-signal_sums[d], tokens[d])
-      pairs[f"gap/{name}"] = (gap_state["signal"][d], 1.0)
+      pairs[f"gap/{name}"] = (new_state["gap"]["signal"][d], 1.0)
       pairs[f"loss_weight/{name}"] = (loss_w[d], 1.0)
-    return new_state, pairs
+    return {}, pairs
 
-  write_eval = common.write_eval(workdir, config.train.steps)
+
+def make_method(config, tokenizer, model_cfg, mesh, params, sampling):
+  method = MOPD(config, tokenizer, model_cfg, mesh, params)
+  loss = make_loss(model_cfg, sampling, config.rl, config.opd,
+                   config.open_mopd.reward_refresh,
+                   config_lib.op_options(config))
+  needs_base = config.rl.beta > 0 or config.opd.extrapolation != 1.0
+  return method, loss, needs_base
+
+
+def run(config, workdir: str):
+  """Distil the teachers into the student; returns the final state."""
+  write_eval = runs.write_eval(workdir, config.train.steps)
+  teachers = mopd.parse_teachers(config.teachers, tuple(config.data.domains))
 
   def on_final(scalars):
     write_eval(scalars)
     write_headroom(workdir, scalars, config.init,
-                   {t.domain: t.run_dir for t in teachers
-                    if t.domain in config.eval.domains})
+                   {d: run_dir for d, run_dir in teachers.items()
+                    if d in config.eval.domains})
 
-  eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test_sets, mesh,
-                                on_final)
-  return training.run_loop(workdir, state, step_fn, config.train.steps,
-                           config.checkpoint, config.train, eval_fn,
-                           desc="mopd")
+  return on_policy.run(config, workdir, make_method, "mopd", on_final)

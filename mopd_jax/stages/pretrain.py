@@ -17,13 +17,12 @@ import jax
 import numpy as np
 
 from mopd_jax import config as config_lib
-from mopd_jax import parallel, training
-from mopd_jax.data import batching, mixture
+from mopd_jax import parallel, runs, training
+from mopd_jax.data import batching, mixture, splits
 from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.errors import ConfigError
-from mopd_jax.evaluation import headroom
+from mopd_jax.evaluation import evaluator, headroom
 from mopd_jax.objectives.sft import make_train_step
-from mopd_jax.stages import common
 
 VALIDATION = "validation"
 
@@ -72,10 +71,10 @@ def target_missed(step: int, accuracy: dict[str, float], select) -> str:
 
 def run(config, workdir: str):
   """Train the base model; returns the final train state."""
-  tokenizer, model_cfg, mesh = common.setup(config)
-  common.check_divisible(mesh, config.train.batch_size, "train.batch_size")
-  train_sets = common.domain_splits(config, config.data.domains, "train")
-  test_sets = common.eval_sets(config, config.data.domains)
+  tokenizer, model_cfg, mesh = runs.setup(config)
+  runs.check_divisible(mesh, config.train.batch_size, "train.batch_size")
+  train_sets = splits.domain_splits(config, config.data.domains, "train")
+  test_sets = splits.eval_sets(config, config.data.domains)
   weights = mixture.base_weights(config.data.domains, config.data.weights)
   length = config.data.max_prompt_len + config.sampling.max_new_tokens
   ops = config_lib.op_options(config)
@@ -83,7 +82,7 @@ def run(config, workdir: str):
   optimizer = training.make_optimizer(config.optim, config.train.steps)
   with parallel.activate(mesh):
     state = training.init_state(
-        common.init_params(model_cfg, mesh, config.seed), optimizer)
+        runs.init_params(model_cfg, mesh, config.seed), optimizer)
 
   train_step = jax.jit(make_train_step(model_cfg, optimizer, ops),
                        donate_argnums=0)
@@ -97,18 +96,18 @@ def run(config, workdir: str):
     with parallel.activate(mesh):
       return train_step(state, parallel.shard_batch(mesh, arrays))
 
-  test_eval = common.make_eval_fn(
+  test_eval = evaluator.make_eval_fn(
       config, model_cfg, tokenizer, test_sets, mesh,
-      common.write_eval(workdir, config.train.steps))
+      runs.write_eval(workdir, config.train.steps))
   if not config.select.target:
     return training.run_loop(workdir, state, step_fn, config.train.steps,
                              config.checkpoint, config.train, test_eval,
                              desc="pretrain")
 
   selected = [d for d in config.data.domains if d in TRAIN_DOMAINS]
-  val_eval = common.make_eval_fn(
+  val_eval = evaluator.make_eval_fn(
       config, model_cfg, tokenizer,
-      common.domain_splits(config, selected, VALIDATION), mesh,
+      splits.domain_splits(config, selected, VALIDATION), mesh,
       greedy_only=True, prefix=VALIDATION,
       num_prompts=config.select.num_prompts)
 
@@ -118,7 +117,7 @@ def run(config, workdir: str):
     scalars = dict(val_eval(state, step))
     if selection(step, validation_accuracy(scalars), config.select):
       final = test_eval(state, step)
-      common.write_eval(workdir, step)(final)
+      runs.write_eval(workdir, step)(final)
       scalars.update(final)
     return scalars
 

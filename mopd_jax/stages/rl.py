@@ -1,43 +1,25 @@
 """RLVR with the GRPO family: one domain's expert (``grpo``) or one run over
-the pooled domains (``mix_rl``, proportions fixed or adaptive).
+the pooled domains (``mix_rl``, proportions fixed or adaptive), on the
+shared on-policy loop (``stages/on_policy.py``).
 
-One step: draw ``rl.prompts_per_step`` prompts (domain ``d ~ w``), sample
-``rl.group_size`` completions each at the policy temperature, grade them with
-the domains' verifiers, turn rewards into group advantages, then take
-``rl.epochs x rl.minibatches`` optimiser steps on the clipped policy-gradient
-loss with the rollout-time log-probs as ``pi_old``.
+GRPO's part of a step: the verifiers' rewards become group advantages for
+the clipped policy-gradient loss; Mix RL's adaptive mixture follows each
+domain's mean |advantage|.
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mopd_jax import config as config_lib
-from mopd_jax import parallel, training
-from mopd_jax.data import batching, mixture
-from mopd_jax.data.domains import get_domain
+from mopd_jax.data import mixture
 from mopd_jax.objectives import grpo, policy
-from mopd_jax.rollout import sampler
-from mopd_jax.stages import common
+from mopd_jax.stages import on_policy
 
 
 def rl_domains(config) -> tuple[str, ...]:
   return (config.domain,) if config.method == "grpo" else tuple(
       config.data.domains)
-
-
-def draw_prompts(train_sets, weights: np.ndarray, count: int, seed: int,
-                 step: int):
-  """``count`` examples of step ``step`` and their domain indices:
-  ``d ~ w``, then an example of ``d`` uniformly, from ``rng(seed, step)``."""
-  rng = np.random.default_rng([seed, step])
-  ids = rng.choice(len(train_sets), size=count, p=weights)
-  return [train_sets[d][int(rng.integers(len(train_sets[d])))]
-          for d in ids], ids
 
 
 def make_loss(model_cfg, sampling, rl, ops: dict):
@@ -56,205 +38,61 @@ def make_loss(model_cfg, sampling, rl, ops: dict):
   return loss_fn
 
 
-def make_update(loss_fn, optimizer):
-  """One jitted optimiser step on a minibatch: ``(train, mb, *shared) ->
-  (train, metrics)`` with ``train = {params, opt_state}`` (donated) and
-  ``shared`` arrays every minibatch's loss reads whole; skipped when the loss
-  or a gradient is not finite (``training.guarded_update``)."""
+class GRPO:
+  """The ``on_policy.Method`` of experts and Mix RL."""
 
-  @functools.partial(jax.jit, donate_argnums=0)
-  def update(train, mb, *shared):
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        train["params"], mb, *shared)
-    params, opt_state, skipped = training.guarded_update(
-        optimizer, loss, grads, train["params"], train["opt_state"])
-    metrics[training.SKIPPED] = (skipped, jnp.float32(1))
-    return dict(params=params, opt_state=opt_state), metrics
+  shared = ()
 
-  return update
+  def __init__(self, config):
+    self.config = config
+    self.names = rl_domains(config)
+    self.base = mixture.base_weights(self.names, (
+        () if config.method == "grpo" else config.data.weights))
+    adaptive = config.method == "mix_rl" and config.mixture.adaptive
+    self.adaptive = adaptive
+    self.explore, self.floor = ((config.mixture.exploration,
+                                 config.mixture.floor)
+                                if adaptive else (0.0, 0.0))
+    self.momentum = config.mixture.momentum if adaptive else 0.0
 
+  def init_state(self) -> dict:
+    return {"mixture": mixture.init_state(len(self.names))}
 
-def optimise(train, data: dict, update, rl, rng: np.random.Generator,
-             mesh=None, shared: tuple = ()):
-  """``rl.epochs`` passes over the rollout batch ``data`` (per-sequence
-  arrays), each in ``rl.minibatches`` shuffled minibatches (split over
-  ``mesh``'s batch axis when given); the log-probs in
-  ``data["old_logp"]`` stay ``pi_old`` throughout. Returns the new
-  ``train`` and the accumulated ``(sum, count)`` metrics."""
-  batch = len(data["advantages"])
-  size = batch // rl.minibatches
-  pairs: dict = {}
-  for _ in range(rl.epochs):
-    order = rng.permutation(batch)
-    for m in range(rl.minibatches):
-      idx = order[m * size:(m + 1) * size]
-      mb = {k: v[idx] for k, v in data.items()}
-      if mesh is not None:
-        mb = parallel.shard_batch(mesh, mb)
-      train, metrics = update(train, mb, *shared)
-      pairs = training.accumulate(pairs, metrics)
-  return train, pairs
+  def proportions(self, state) -> np.ndarray:
+    return mixture.proportions(self.base, state["mixture"], self.adaptive,
+                               self.explore, self.floor)
 
+  def signal(self, state, data, seq_ids) -> None:
+    """The verifiers' rewards, already in ``data["advantages"]``."""
 
-def rollout_batch(rollout, prompt, prompt_mask, rewards: np.ndarray, rl):
-  """The per-sequence arrays the loss needs, from a rollout and its rewards:
-  group advantages, and ``keep`` = 0 on all-equal groups when
-  ``rl.drop_equal_groups`` (they carry no signal)."""
-  advantages = np.asarray(grpo.group_advantages(
-      jnp.asarray(rewards), rl.group_size, rl.advantage, rl.advantage_eps,
-      rl.pass_k))
-  informative = np.repeat(np.asarray(grpo.informative_groups(
-      jnp.asarray(rewards), rl.group_size)), rl.group_size)
-  keep = informative if rl.drop_equal_groups else np.ones_like(informative)
-  # Train only on the columns some completion reached, rounded up to a
-  # multiple of 8 so that few distinct shapes are compiled.
-  mask = np.asarray(rollout.mask)
-  width = min(mask.shape[1], -(-max(int(mask.sum(1).max()), 1) // 8) * 8)
-  data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
-              completion=np.asarray(rollout.completion)[:, :width],
-              mask=mask[:, :width],
-              old_logp=np.asarray(rollout.logprobs)[:, :width],
-              advantages=advantages, keep=keep.astype(np.float32))
-  return data, informative
+  def weigh(self, state, data, seq_ids):
+    return {}, None
 
-
-class Rollouts:
-  """What every on-policy stage does before its loss: draw a step's prompts
-  by domain proportions, sample ``rl.group_size`` completions each, grade
-  them with the domains' verifiers; and policy log-probs of a batch under
-  any parameters (reference model, ``pi_old`` for TIS)."""
-
-  def __init__(self, config, tokenizer, model_cfg, mesh, names, sampling):
-    splits = common.domain_splits(config, names, "train")
-    self.train_sets = [splits[d] for d in names]
-    self.verifiers = [get_domain(d).verify for d in names]
-    self.config, self.tokenizer, self.model_cfg = config, tokenizer, model_cfg
-    self.mesh, self.sampling = mesh, sampling
-    self.key = jax.random.fold_in(jax.random.key(config.seed), 2)
-
-    @jax.jit
-    def logprobs(params, prompt, prompt_mask, completion, mask):
-      rollout = sampler.Rollout(completion, jnp.zeros(completion.shape), mask)
-      return sampler.sequence_logprobs(params, model_cfg, prompt,
-                                       prompt_mask, rollout, sampling)
-
-    self._logprobs = logprobs
-
-  def __call__(self, params, weights: np.ndarray, step: int):
-    """``(examples, domain ids, prompt, prompt_mask, rollout, rewards)``;
-    per-sequence arrays have the group's samples contiguous."""
+  def metrics(self, state, new_state, ids, data, informative, notes):
+    """The mixture follows each group's mean |advantage|; advantage
+    statistics."""
     rl = self.config.rl
-    examples, ids = draw_prompts(self.train_sets, weights,
-                                 rl.prompts_per_step, self.config.seed, step)
-    prompt, prompt_mask = batching.encode_prompts(
-        [e.prompt for e in examples for _ in range(rl.group_size)],
-        self.tokenizer, self.config.data.max_prompt_len)
-    with parallel.activate(self.mesh):
-      rollout = sampler.sample(params, self.model_cfg, prompt, prompt_mask,
-                               jax.random.fold_in(self.key, step),
-                               self.sampling)
-      rollout = parallel.to_host(rollout)
-    completion = rollout.completion
-    seq_ids = np.repeat(ids, rl.group_size)
-    rewards = np.array([
-        self.verifiers[d](self.tokenizer.decode(row),
-                          examples[i // rl.group_size].answer)
-        for i, (d, row) in enumerate(zip(seq_ids, completion))], np.float32)
-    return examples, ids, prompt, prompt_mask, rollout, rewards
-
-  def logprobs(self, params, data: dict) -> np.ndarray:
-    """[B, T] policy log-probs of ``data``'s completions under ``params``."""
-    with parallel.activate(self.mesh):
-      batch = parallel.shard_batch(self.mesh, [
-          data[k] for k in ("prompt", "prompt_mask", "completion", "mask")])
-      return parallel.to_host(self._logprobs(params, *batch))
-
-  def add_policy_inputs(self, data: dict, params, ref_params) -> None:
-    """``ref_logp`` under ``ref_params`` (if given); with ``rl.tis_cap``,
-    ``pi_old`` recomputed by the trainer, the sampler's own log-probs only
-    entering the truncated importance weight."""
-    if ref_params is not None:
-      data["ref_logp"] = self.logprobs(ref_params, data)
-    if self.config.rl.tis_cap > 0:
-      data["behaviour_logp"] = data["old_logp"]
-      data["old_logp"] = self.logprobs(params, data)
+    advantages = data["advantages"]
+    group_signal = np.abs(advantages).reshape(-1, rl.group_size).mean(1)
+    updates = {"mixture": mixture.update_state(state["mixture"], ids,
+                                               group_signal, self.momentum)}
+    return updates, {
+        "advantage_abs": (np.abs(advantages).sum(), len(advantages)),
+        "advantage_std": (float(np.std(advantages)), 1.0),
+        "informative_groups": (informative.sum() / rl.group_size,
+                               rl.prompts_per_step),
+    }
 
 
-def batch_metrics(pairs: dict, names, seq_ids: np.ndarray, mask: np.ndarray,
-                  rewards: np.ndarray, weights: np.ndarray) -> np.ndarray:
-  """Adds reward, response length and, per domain, prompt and token share,
-  reward and sampling weight to ``pairs``; returns the sequence lengths."""
-  batch = len(rewards)
-  lengths = mask.sum(1).astype(np.float32)
-  pairs.update({"reward": (rewards.sum(), batch),
-                "response_length": (lengths.sum(), batch)})
-  for d, name in enumerate(names):
-    mine = seq_ids == d
-    pairs[f"share/prompts/{name}"] = (mine.sum(), batch)
-    pairs[f"share/tokens/{name}"] = (lengths[mine].sum(), lengths.sum())
-    pairs[f"reward/{name}"] = (rewards[mine].sum(), mine.sum())
-    pairs[f"weight/{name}"] = (weights[d], 1.0)
-  return lengths
+def make_method(config, tokenizer, model_cfg, mesh, params, sampling):
+  del tokenizer, mesh, params
+  loss = make_loss(model_cfg, sampling, config.rl,
+                   config_lib.op_options(config))
+  return GRPO(config), loss, config.rl.beta > 0
 
 
 def run(config, workdir: str):
   """Train an expert (``grpo``) or the Mix RL model; returns the state."""
-  tokenizer, model_cfg, mesh = common.setup(config)
-  rl = config.rl
-  batch = rl.prompts_per_step * rl.group_size
-  common.check_divisible(mesh, batch // rl.minibatches, "rl.minibatches")
-  names = rl_domains(config)
-  base = mixture.base_weights(names, () if config.method == "grpo"
-                              else config.data.weights)
-  adaptive = config.method == "mix_rl" and config.mixture.adaptive
-  test_sets = common.eval_sets(config, config.eval.domains)
-  sampling = config_lib.sampling_config(config.sampling, tokenizer)
-  rollouts = Rollouts(config, tokenizer, model_cfg, mesh, names, sampling)
-
-  optimizer = training.make_optimizer(config.optim, config.train.steps)
-  params = common.load_params(config.init, model_cfg, mesh)
-  # A copy: the policy's own buffers are donated to every update.
-  ref_params = jax.tree.map(jnp.copy, params) if rl.beta > 0 else None
-  explore, floor = ((config.mixture.exploration, config.mixture.floor)
-                    if adaptive else (0.0, 0.0))
-  momentum = config.mixture.momentum if adaptive else 0.0
-  with parallel.activate(mesh):
-    state = training.init_state(params, optimizer)
-  state["mixture"] = mixture.init_state(len(names))
-  update = make_update(make_loss(model_cfg, sampling, rl,
-                                 config_lib.op_options(config)), optimizer)
-
-  def step_fn(state, step):
-    weights = mixture.proportions(base, state["mixture"], adaptive, explore,
-                                  floor)
-    _, ids, prompt, prompt_mask, rollout, rewards = rollouts(
-        state["params"], weights, step)
-    data, informative = rollout_batch(rollout, prompt, prompt_mask, rewards,
-                                      rl)
-    rollouts.add_policy_inputs(data, state["params"], ref_params)
-    advantages = data["advantages"]
-    train = dict(params=state["params"], opt_state=state["opt_state"])
-    with parallel.activate(mesh):
-      train, pairs = optimise(train, data, update, rl,
-                              np.random.default_rng([config.seed, step, 1]),
-                              mesh)
-    group_signal = np.abs(advantages).reshape(-1, rl.group_size).mean(1)
-    new_state = dict(train, step=state["step"] + 1,
-                     mixture=mixture.update_state(
-                         state["mixture"], ids, group_signal, momentum))
-    batch_metrics(pairs, names, np.repeat(ids, rl.group_size), data["mask"],
-                  rewards, weights)
-    pairs.update({
-        "advantage_abs": (np.abs(advantages).sum(), batch),
-        "advantage_std": (float(np.std(advantages)), 1.0),
-        "informative_groups": (informative.sum() / rl.group_size,
-                               rl.prompts_per_step),
-    })
-    return new_state, pairs
-
-  eval_fn = common.make_eval_fn(config, model_cfg, tokenizer, test_sets, mesh,
-                                common.write_eval(workdir, config.train.steps))
-  return training.run_loop(workdir, state, step_fn, config.train.steps,
-                           config.checkpoint, config.train, eval_fn,
-                           desc=config.method if config.method != "grpo"
-                           else f"grpo[{config.domain}]")
+  desc = (config.method if config.method != "grpo"
+          else f"grpo[{config.domain}]")
+  return on_policy.run(config, workdir, make_method, desc)

@@ -9,10 +9,11 @@ import sys
 
 import jax
 import pytest
-
 from conftest import ROOT, train_cli
+
+from mopd_jax import config as config_lib
+from mopd_jax import parallel, runs
 from mopd_jax.checkpointing import Checkpointer
-from mopd_jax.stages import common
 
 DOMAINS = ("add", "chain", "instruct", "sort")
 
@@ -22,11 +23,11 @@ def _expert(base, out, seed):
   parameters moved by a sparse random task vector."""
   out.mkdir()
   shutil.copy(base / "config.json", out / "config.json")
-  config = common.load_run_config(str(base))
-  cfg = common.config_lib.model_config(config)
-  mesh = common.parallel.make_mesh(data=1, fsdp=1, tensor=1,
+  config = runs.load_run_config(str(base))
+  cfg = config_lib.model_config(config)
+  mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1,
                                    devices=jax.devices()[:1])
-  params = common.load_params(str(base), cfg, mesh)
+  params = runs.load_params(str(base), cfg, mesh)
   keys = iter(jax.random.split(jax.random.key(seed), 64))
   moved = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(
       next(keys), p.shape) * jax.random.bernoulli(next(keys), 0.3, p.shape),

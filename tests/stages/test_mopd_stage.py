@@ -21,7 +21,7 @@ from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
 from mopd_jax.rollout import sampler
 from mopd_jax.stages import mopd as mopd_stage
-from mopd_jax.stages import rl as rl_stage
+from mopd_jax.stages import on_policy
 
 TOK = CharTokenizer()
 SAMPLING = sampler.SamplingConfig(max_new_tokens=6, eos_id=TOK.eos_id)
@@ -246,7 +246,7 @@ def test_distillation_closes_the_gap_to_a_teacher():
   rl.update(group_size=4, minibatches=2, epochs=2)
   optimizer = optax.adam(1e-2)
   train = dict(params=student, opt_state=optimizer.init(student))
-  update = rl_stage.make_update(
+  update = on_policy.make_update(
       mopd_stage.make_loss(cfg, SAMPLING, rl, opd_cfg, True, {}), optimizer)
   scorer = mopd.make_scorer((cfg,), (1.0,), False, False)
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
@@ -257,7 +257,7 @@ def test_distillation_closes_the_gap_to_a_teacher():
   for step in range(14):
     out = sampler.sample(train["params"], cfg, prompt, pmask,
                          jax.random.key(step), SAMPLING)
-    data, _ = rl_stage.rollout_batch(out, prompt, pmask,
+    data, _ = on_policy.rollout_batch(out, prompt, pmask,
                                      np.zeros(len(prompt), np.float32), rl)
     data.update(mopd.score([scorer], [(teacher,)],
                            np.zeros(len(prompt), np.int32), data, mesh))
@@ -265,7 +265,7 @@ def test_distillation_closes_the_gap_to_a_teacher():
     mask = data["mask"]
     curve.append(float(np.sum((data["old_logp"] - data["teacher_logp"])
                               * mask) / mask.sum()))
-    train, _ = rl_stage.optimise(train, data, update, rl,
+    train, _ = on_policy.optimise(train, data, update, rl,
                                  np.random.default_rng(step), None,
                                  (jnp.zeros((1, 1, 1)),))
   assert curve[0] > 3.0, curve

@@ -18,6 +18,7 @@ from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
 from mopd_jax.rollout import sampler
+from mopd_jax.stages import on_policy
 from mopd_jax.stages import rl as rl_stage
 
 TOK = CharTokenizer()
@@ -34,7 +35,7 @@ def test_grpo_raises_reward_on_an_easy_task():
   optimizer = optax.adam(1e-2)
   train = dict(params=decoder.init_params(cfg, jax.random.key(0)))
   train["opt_state"] = optimizer.init(train["params"])
-  update = rl_stage.make_update(rl_stage.make_loss(cfg, sampling, rl, {}),
+  update = on_policy.make_update(rl_stage.make_loss(cfg, sampling, rl, {}),
                                 optimizer)
   prompts = ["add 1+2=", "rev abc:", "sort cab:", "first 1 of ab:"] * 2
   prompt, mask = batching.encode_prompts(
@@ -46,8 +47,8 @@ def test_grpo_raises_reward_on_an_easy_task():
     texts = [TOK.decode(row) for row in np.asarray(out.completion)]
     rewards = np.array([float(t[:1].isdigit()) for t in texts], np.float32)
     curve.append(rewards.mean())
-    data, _ = rl_stage.rollout_batch(out, prompt, mask, rewards, rl)
-    train, pairs = rl_stage.optimise(train, data, update, rl,
+    data, _ = on_policy.rollout_batch(out, prompt, mask, rewards, rl)
+    train, pairs = on_policy.optimise(train, data, update, rl,
                                      np.random.default_rng(step))
     assert np.isfinite(float(pairs["loss"][0]))
   assert np.mean(curve[:3]) < 0.35
@@ -108,7 +109,7 @@ def test_rollout_batch_drops_only_all_equal_groups(drop):
   mask[:, :3] = 1.0
   rollout = sampler.Rollout(np.ones((6, 12), np.int32),
                             np.zeros((6, 12), np.float32), mask)
-  data, _ = rl_stage.rollout_batch(rollout, np.zeros((6, 4), np.int32),
+  data, _ = on_policy.rollout_batch(rollout, np.zeros((6, 4), np.int32),
                                    np.ones((6, 4), np.float32), rewards, rl)
   np.testing.assert_array_equal(
       data["keep"], [0, 0, 1, 1, 0, 0] if drop else np.ones(6))

@@ -1,5 +1,10 @@
-"""What every stage sets up the same way: tokenizer and model config, mesh,
-domain data, parameters (fresh or from an earlier run) and evaluation."""
+"""Run directories and what every run sets up: the files a run leaves
+(``config.json``, ``eval.json``, checkpoints), the checks that let a later
+run start from, resume, or read an earlier one, and parameter loading.
+
+Below the stages: stages, fusion and evaluation code read runs through
+this module, never through a stage.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +16,16 @@ from typing import Sequence
 import jax
 import ml_collections
 
-from mopd_jax import checkpointing, checksum, parallel, training
+from mopd_jax import checkpointing, checksum, parallel
 from mopd_jax import config as config_lib
-from mopd_jax.data import tfds_builder
-from mopd_jax.data.domains import get_domain
-from mopd_jax.data.jsonl import load_jsonl
+from mopd_jax.atomic import write_json_atomic
 from mopd_jax.errors import CheckpointError, ConfigError
-from mopd_jax.evaluation import accuracy
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
 
 CONFIG_FILE = "config.json"
+
 EVAL_FILE = "eval.json"
 
 
@@ -30,7 +33,7 @@ def save_run_config(config, workdir: str) -> None:
   """``<workdir>/config.json``: how the run was configured (model included)
   and the fingerprint of its tokenizer, read back by later stages that start
   from this run or use it as a teacher."""
-  training.write_json_atomic(
+  write_json_atomic(
       os.path.join(workdir, CONFIG_FILE),
       dict(config.to_dict(), tokenizer=CharTokenizer().fingerprint()))
 
@@ -207,68 +210,9 @@ def leaf_loader(run_dirs: Sequence[str], model_cfg, mesh):
   return load
 
 
-def domain_splits(config, names: Sequence[str], split: str) -> dict:
-  """``{domain: examples}`` of one split of the built-in TFDS datasets."""
-  data_dir = os.path.expanduser(config.data.data_dir)
-  for name in names:
-    get_domain(name)  # unknown names fail here, with the list of known ones
-  return {name: tfds_builder.load_split(
-      name, split, data_dir, num_train=config.data.train_examples,
-      num_test=config.data.test_examples) for name in names}
-
-
-def eval_sets(config, names: Sequence[str]) -> dict:
-  """Test examples per domain: the built-in test splits, or the user's
-  ``data.eval_jsonl`` file when set."""
-  if not config.data.eval_jsonl:
-    return domain_splits(config, names, "test")
-  sets: dict = {}
-  for example in load_jsonl(os.path.expanduser(config.data.eval_jsonl)):
-    sets.setdefault(example.domain, []).append(example)
-  return sets
-
-
-def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None,
-                 greedy_only=False, prefix="eval", num_prompts=None):
-  """Sampled (``eval.temperature``) and greedy accuracy on every domain
-  (greedy only when ``greedy_only``), on the first ``num_prompts``
-  (default ``eval.num_prompts``) examples of each domain in ``test``.
-
-  Prints a table, returns ``<prefix>/<mode>/<domain>/<metric>`` scalars,
-  and hands the final step's scalars to ``on_final``.
-  """
-  key = jax.random.fold_in(jax.random.key(config.seed), 1)
-  num_prompts = num_prompts or config.eval.num_prompts
-  subsets = {d: list(exs)[:num_prompts] for d, exs in test.items()}
-  modes = {} if greedy_only else {"sampled": config.eval.temperature}
-  if config.eval.greedy or greedy_only:
-    modes["greedy"] = 0.0
-
-  def eval_fn(state, step):
-    results = {}
-    with parallel.activate(mesh):
-      for mode, temperature in modes.items():
-        sampling = config_lib.sampling_config(config.sampling, tokenizer,
-                                              temperature=temperature)
-        results[mode] = accuracy.evaluate(
-            state["params"], model_cfg, tokenizer, subsets, sampling,
-            jax.random.fold_in(key, step), config.eval.batch_size,
-            config.data.max_prompt_len)
-    title = {"eval": "evaluation"}.get(prefix, prefix)
-    print(f"\n{title} at step {step}:\n" + accuracy.format_table(results))
-    scalars = {f"{prefix}/{mode}/{d}/{metric}": value
-               for mode, r in results.items() for d, m in r.items()
-               for metric, value in m.items()}
-    if on_final and step == config.train.steps:
-      on_final(scalars)
-    return scalars
-
-  return eval_fn
-
-
 def write_eval(workdir: str, step: int):
   """An ``on_final`` callback writing ``<workdir>/eval.json`` atomically."""
   def write(scalars):
-    training.write_json_atomic(os.path.join(workdir, EVAL_FILE),
+    write_json_atomic(os.path.join(workdir, EVAL_FILE),
                                {"step": step, **scalars})
   return write

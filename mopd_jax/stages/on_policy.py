@@ -1,0 +1,278 @@
+"""The on-policy loop that GRPO, Mix RL and MOPD share.
+
+One step (``step``, a module-level function the tests call directly):
+draw ``rl.prompts_per_step`` prompts by the method's domain proportions,
+sample ``rl.group_size`` completions each, grade them with the domains'
+verifiers, let the method add its signal (a teacher's scores, loss
+weights), then take ``rl.epochs x rl.minibatches`` optimiser steps on the
+method's loss with the rollout-time log-probs as ``pi_old``. A method is a
+``Method``: only what differs (proportions, signal, loss, extra state and
+metrics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mopd_jax import config as config_lib
+from mopd_jax import parallel, runs, training
+from mopd_jax.data import batching, splits
+from mopd_jax.data.domains import get_domain
+from mopd_jax.evaluation import evaluator
+from mopd_jax.objectives import grpo
+from mopd_jax.rollout import sampler
+
+
+def draw_prompts(train_sets, weights: np.ndarray, count: int, seed: int,
+                 step: int):
+  """``count`` examples of step ``step`` and their domain indices:
+  ``d ~ w``, then an example of ``d`` uniformly, from ``rng(seed, step)``."""
+  rng = np.random.default_rng([seed, step])
+  ids = rng.choice(len(train_sets), size=count, p=weights)
+  return [train_sets[d][int(rng.integers(len(train_sets[d])))]
+          for d in ids], ids
+
+
+def make_update(loss_fn, optimizer):
+  """One jitted optimiser step on a minibatch: ``(train, mb, *shared) ->
+  (train, metrics)`` with ``train = {params, opt_state}`` (donated) and
+  ``shared`` arrays every minibatch's loss reads whole; skipped when the loss
+  or a gradient is not finite (``training.guarded_update``)."""
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def update(train, mb, *shared):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        train["params"], mb, *shared)
+    params, opt_state, skipped = training.guarded_update(
+        optimizer, loss, grads, train["params"], train["opt_state"])
+    metrics[training.SKIPPED] = (skipped, jnp.float32(1))
+    return dict(params=params, opt_state=opt_state), metrics
+
+  return update
+
+
+def optimise(train, data: dict, update, rl, rng: np.random.Generator,
+             mesh=None, shared: tuple = ()):
+  """``rl.epochs`` passes over the rollout batch ``data`` (per-sequence
+  arrays), each in ``rl.minibatches`` shuffled minibatches (split over
+  ``mesh``'s batch axis when given); the log-probs in
+  ``data["old_logp"]`` stay ``pi_old`` throughout. Returns the new
+  ``train`` and the accumulated ``(sum, count)`` metrics."""
+  batch = len(data["advantages"])
+  size = batch // rl.minibatches
+  pairs: dict = {}
+  for _ in range(rl.epochs):
+    order = rng.permutation(batch)
+    for m in range(rl.minibatches):
+      idx = order[m * size:(m + 1) * size]
+      mb = {k: v[idx] for k, v in data.items()}
+      if mesh is not None:
+        mb = parallel.shard_batch(mesh, mb)
+      train, metrics = update(train, mb, *shared)
+      pairs = training.accumulate(pairs, metrics)
+  return train, pairs
+
+
+def rollout_batch(rollout, prompt, prompt_mask, rewards: np.ndarray, rl):
+  """The per-sequence arrays the loss needs, from a rollout and its rewards:
+  group advantages, and ``keep`` = 0 on all-equal groups when
+  ``rl.drop_equal_groups`` (they carry no signal)."""
+  advantages = np.asarray(grpo.group_advantages(
+      jnp.asarray(rewards), rl.group_size, rl.advantage, rl.advantage_eps,
+      rl.pass_k))
+  informative = np.repeat(np.asarray(grpo.informative_groups(
+      jnp.asarray(rewards), rl.group_size)), rl.group_size)
+  keep = informative if rl.drop_equal_groups else np.ones_like(informative)
+  # Train only on the columns some completion reached, rounded up to a
+  # multiple of 8 so that few distinct shapes are compiled.
+  mask = np.asarray(rollout.mask)
+  width = min(mask.shape[1], -(-max(int(mask.sum(1).max()), 1) // 8) * 8)
+  data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
+              completion=np.asarray(rollout.completion)[:, :width],
+              mask=mask[:, :width],
+              old_logp=np.asarray(rollout.logprobs)[:, :width],
+              advantages=advantages, keep=keep.astype(np.float32))
+  return data, informative
+
+
+class Rollouts:
+  """What every on-policy stage does before its loss: draw a step's prompts
+  by domain proportions, sample ``rl.group_size`` completions each, grade
+  them with the domains' verifiers; and policy log-probs of a batch under
+  any parameters (reference model, ``pi_old`` for TIS)."""
+
+  def __init__(self, config, tokenizer, model_cfg, mesh, names, sampling):
+    by_domain = splits.domain_splits(config, names, "train")
+    self.train_sets = [by_domain[d] for d in names]
+    self.verifiers = [get_domain(d).verify for d in names]
+    self.config, self.tokenizer, self.model_cfg = config, tokenizer, model_cfg
+    self.mesh, self.sampling = mesh, sampling
+    self.key = jax.random.fold_in(jax.random.key(config.seed), 2)
+
+    @jax.jit
+    def logprobs(params, prompt, prompt_mask, completion, mask):
+      rollout = sampler.Rollout(completion, jnp.zeros(completion.shape), mask)
+      return sampler.sequence_logprobs(params, model_cfg, prompt,
+                                       prompt_mask, rollout, sampling)
+
+    self._logprobs = logprobs
+
+  def __call__(self, params, weights: np.ndarray, step: int):
+    """``(examples, domain ids, prompt, prompt_mask, rollout, rewards)``;
+    per-sequence arrays have the group's samples contiguous."""
+    rl = self.config.rl
+    examples, ids = draw_prompts(self.train_sets, weights,
+                                 rl.prompts_per_step, self.config.seed, step)
+    prompt, prompt_mask = batching.encode_prompts(
+        [e.prompt for e in examples for _ in range(rl.group_size)],
+        self.tokenizer, self.config.data.max_prompt_len)
+    with parallel.activate(self.mesh):
+      rollout = sampler.sample(params, self.model_cfg, prompt, prompt_mask,
+                               jax.random.fold_in(self.key, step),
+                               self.sampling)
+      rollout = parallel.to_host(rollout)
+    completion = rollout.completion
+    seq_ids = np.repeat(ids, rl.group_size)
+    rewards = np.array([
+        self.verifiers[d](self.tokenizer.decode(row),
+                          examples[i // rl.group_size].answer)
+        for i, (d, row) in enumerate(zip(seq_ids, completion))], np.float32)
+    return examples, ids, prompt, prompt_mask, rollout, rewards
+
+  def logprobs(self, params, data: dict) -> np.ndarray:
+    """[B, T] policy log-probs of ``data``'s completions under ``params``."""
+    with parallel.activate(self.mesh):
+      batch = parallel.shard_batch(self.mesh, [
+          data[k] for k in ("prompt", "prompt_mask", "completion", "mask")])
+      return parallel.to_host(self._logprobs(params, *batch))
+
+  def add_policy_inputs(self, data: dict, params, ref_params) -> None:
+    """``ref_logp`` under ``ref_params`` (if given); with ``rl.tis_cap``,
+    ``pi_old`` recomputed by the trainer, the sampler's own log-probs only
+    entering the truncated importance weight."""
+    if ref_params is not None:
+      data["ref_logp"] = self.logprobs(ref_params, data)
+    if self.config.rl.tis_cap > 0:
+      data["behaviour_logp"] = data["old_logp"]
+      data["old_logp"] = self.logprobs(params, data)
+
+
+def batch_metrics(pairs: dict, names, seq_ids: np.ndarray, mask: np.ndarray,
+                  rewards: np.ndarray, weights: np.ndarray) -> np.ndarray:
+  """Adds reward, response length and, per domain, prompt and token share,
+  reward and sampling weight to ``pairs``; returns the sequence lengths."""
+  batch = len(rewards)
+  lengths = mask.sum(1).astype(np.float32)
+  pairs.update({"reward": (rewards.sum(), batch),
+                "response_length": (lengths.sum(), batch)})
+  for d, name in enumerate(names):
+    mine = seq_ids == d
+    pairs[f"share/prompts/{name}"] = (mine.sum(), batch)
+    pairs[f"share/tokens/{name}"] = (lengths[mine].sum(), lengths.sum())
+    pairs[f"reward/{name}"] = (rewards[mine].sum(), mine.sum())
+    pairs[f"weight/{name}"] = (weights[d], 1.0)
+  return lengths
+
+
+class Method(Protocol):
+  """What one on-policy method adds to the shared step."""
+
+  names: tuple[str, ...]  # its domains, in the order of domain ids
+  shared: tuple  # arrays every minibatch's loss reads whole
+
+  def init_state(self) -> dict:
+    """Its own entries of the train state (checkpointed with it)."""
+
+  def proportions(self, state) -> np.ndarray:
+    """The domain proportions of this step's prompts."""
+
+  def signal(self, state, data: dict, seq_ids: np.ndarray) -> dict:
+    """Adds its per-sequence arrays to ``data`` before the policy inputs
+    (MOPD: the routed teachers' scores)."""
+
+  def weigh(self, state, data: dict, seq_ids: np.ndarray
+            ) -> tuple[dict, Any]:
+    """Adds what the loss needs after the policy inputs (MOPD: the
+    per-sequence loss weight); returns its train-state updates and notes
+    for ``metrics``."""
+
+  def metrics(self, state, new_state, ids: np.ndarray, data: dict,
+              informative: np.ndarray, notes: Any) -> tuple[dict, dict]:
+    """``(train-state updates, {name: (sum, count)})`` after the update."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What a run's steps share: its config, mesh, rollouts, jitted update
+  and the reference parameters (None when no loss term reads them)."""
+  config: Any
+  mesh: Any
+  rollouts: Rollouts
+  update: Callable
+  ref_params: Any
+
+
+def step(ctx: Context, method: Method, state: dict, step: int):
+  """One on-policy step (module docstring); returns ``(state, pairs)``."""
+  rl = ctx.config.rl
+  weights = method.proportions(state)
+  _, ids, prompt, prompt_mask, rollout, rewards = ctx.rollouts(
+      state["params"], weights, step)
+  data, informative = rollout_batch(rollout, prompt, prompt_mask, rewards, rl)
+  seq_ids = np.repeat(ids, rl.group_size)
+  method.signal(state, data, seq_ids)
+  ctx.rollouts.add_policy_inputs(data, state["params"], ctx.ref_params)
+  updates, notes = method.weigh(state, data, seq_ids)
+  train = dict(params=state["params"], opt_state=state["opt_state"])
+  with parallel.activate(ctx.mesh):
+    train, pairs = optimise(
+        train, data, ctx.update, rl,
+        np.random.default_rng([ctx.config.seed, step, 1]), ctx.mesh,
+        method.shared)
+  new_state = dict(state, **train, step=state["step"] + 1, **updates)
+  batch_metrics(pairs, method.names, seq_ids, data["mask"], rewards, weights)
+  more_state, more = method.metrics(state, new_state, ids, data, informative,
+                                    notes)
+  new_state.update(more_state)
+  pairs.update(more)
+  return new_state, pairs
+
+
+def run(config, workdir: str, make_method, desc: str, on_final=None):
+  """The whole on-policy run: set up, load ``init``, build the method
+  (``make_method(config, tokenizer, model_cfg, mesh, params, sampling)``
+  -> ``(method, loss_fn, needs_reference)``), then the step loop with its
+  evaluations (``on_final(scalars)`` at the end; default: ``eval.json``).
+  Returns the final state."""
+  tokenizer, model_cfg, mesh = runs.setup(config)
+  rl = config.rl
+  batch = rl.prompts_per_step * rl.group_size
+  runs.check_divisible(mesh, batch // rl.minibatches, "rl.minibatches")
+  sampling = config_lib.sampling_config(config.sampling, tokenizer)
+  params = runs.load_params(config.init, model_cfg, mesh)
+  method, loss_fn, needs_reference = make_method(
+      config, tokenizer, model_cfg, mesh, params, sampling)
+  test_sets = splits.eval_sets(config, config.eval.domains)
+  rollouts = Rollouts(config, tokenizer, model_cfg, mesh, method.names,
+                      sampling)
+  # A copy: the policy's own buffers are donated to every update.
+  ref_params = jax.tree.map(jnp.copy, params) if needs_reference else None
+  optimizer = training.make_optimizer(config.optim, config.train.steps)
+  with parallel.activate(mesh):
+    state = training.init_state(params, optimizer)
+  state.update(method.init_state())
+  ctx = Context(config, mesh, rollouts, make_update(loss_fn, optimizer),
+                ref_params)
+  eval_fn = evaluator.make_eval_fn(
+      config, model_cfg, tokenizer, test_sets, mesh,
+      on_final or runs.write_eval(workdir, config.train.steps))
+  return training.run_loop(workdir, state, functools.partial(step, ctx,
+                                                             method),
+                           config.train.steps, config.checkpoint,
+                           config.train, eval_fn, desc=desc)
