@@ -109,9 +109,10 @@ def _pretrain() -> ml_collections.ConfigDict:
   # steps) where every training domain's greedy accuracy on its validation
   # split reaches ``target``; train.steps is then the limit (not reached:
   # one line, exit 2). 0: off, train.steps steps. ``ceiling`` is the top
-  # of the band the base should land in, reported (summary.json).
+  # of the band the base should land in: a domain above it at an
+  # evaluation is drawn at ``hold_weight`` x its weight until the next.
   c.select = ml_collections.ConfigDict(dict(
-      target=0.0, ceiling=1.0, num_prompts=256))
+      target=0.0, ceiling=1.0, hold_weight=0.1, num_prompts=256))
   return c
 
 
@@ -315,6 +316,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("select.target", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
     ("select.ceiling", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("select.num_prompts", _positive, "> 0"),
+    ("select.hold_weight", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("optim.learning_rate", _positive, "> 0"),
     ("optim.warmup_steps", _non_negative, ">= 0"),
     ("optim.end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),

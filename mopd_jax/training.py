@@ -34,8 +34,9 @@ _TIMINGS = ("steps_per_sec",)
 StepFn = Callable[[Any, int], tuple[Any, Mapping[str, tuple]]]
 # (state, step) -> {name: scalar}
 EvalFn = Callable[[Any, int], Mapping[str, float]]
-# (step, the evaluation's scalars) -> why the run stops there, or None
-StopFn = Callable[[int, Mapping[str, float]], "dict | None"]
+# (state, step, the evaluation's scalars) -> (state, why the run stops there
+# or None): what a stage decides from an evaluation
+OnEval = Callable[[Any, int, Mapping[str, float]], "tuple[Any, dict | None]"]
 
 
 def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
@@ -153,7 +154,7 @@ class LoopState:
     unresolved: each step's skip flag (on the device, or None) since the
       last ``resolve``; reading one waits for its step, so the loop reads
       them only where it stops anyway (log lines, evaluations, checkpoints).
-    stopped: why the run stopped before its last step (``StopFn``), or None.
+    stopped: why the run stopped before its last step (``OnEval``), or None.
   """
   pending: dict = dataclasses.field(default_factory=dict)
   consecutive_skips: int = 0
@@ -203,9 +204,9 @@ class LoopState:
 
 def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
              checkpoint, train, eval_fn: EvalFn | None = None,
-             desc: str = "train", stop_fn: StopFn | None = None) -> Any:
+             desc: str = "train", on_eval: OnEval | None = None) -> Any:
   """Run ``step_fn`` from the newest readable checkpoint (or step 0) to
-  ``total_steps``, or to the first evaluation at which ``stop_fn`` gives a
+  ``total_steps``, or to the first evaluation at which ``on_eval`` gives a
   reason to stop; returns the final state.
 
   After step ``s`` (1-based): a line of the means of the accumulated
@@ -225,10 +226,12 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
   dispatched without waiting) the run stops with a ``DivergenceError``,
   writing no further checkpoint.
 
-  When ``stop_fn(step, scalars)`` returns a dict after an evaluation, the
-  run ends there: a checkpoint of that step (its loop state holding the
-  reason, so that a re-run does not train on) and the reason in
-  ``summary.json`` under ``stopped``.
+  After each evaluation ``on_eval(state, step, scalars)`` returns the state
+  to train on (a stage's decisions from the evaluation, saved with the
+  checkpoints like the rest of the state) and, to end the run there, why:
+  a checkpoint of that step (its loop state holding the reason, so that a
+  re-run does not train on) and the reason in ``summary.json`` under
+  ``stopped``.
 
   Ends by writing ``<workdir>/summary.json`` (``write_summary``), also on a
   re-run of a finished run.
@@ -282,7 +285,8 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
       if evaluate:
         scalars = eval_fn(state, done)
         writer.write(done, scalars)
-        loop.stopped = stop_fn(done, scalars) if stop_fn else None
+        if on_eval:
+          state, loop.stopped = on_eval(state, done, scalars)
       if loop.stopped and loop.pending:  # the last log line is this step's
         writer.write(done, loop.flush())
       if save or loop.stopped:

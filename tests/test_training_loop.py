@@ -179,11 +179,11 @@ def test_stop_fn_ends_the_run_at_its_evaluation_and_a_rerun_stays(tmp_path):
     seen.append(step)
     return {"x0": float(state["params"]["x"][0])}
 
-  def stop_fn(step, scalars):  # x0 after k steps: 0, 0, 1, 3.5, 8.25, ...
-    return {"step": step} if scalars["x0"] > 5 else None
+  def on_eval(state, step, scalars):  # x0 after k steps: 0, 0, 1, 3.5, ..
+    return state, ({"step": step} if scalars["x0"] > 5 else None)
 
   final = training.run_loop(str(tmp_path), init, _step, 100, ckpt, train,
-                            eval_fn, stop_fn=stop_fn)
+                            eval_fn, on_eval=on_eval)
   assert seen == [2, 4]  # x0 = 1 at step 2, 8.25 at step 4
   assert int(final["step"]) == 4
   assert max(int(s) for s in os.listdir(tmp_path / "ckpt")) == 4  # every=10
@@ -192,6 +192,6 @@ def test_stop_fn_ends_the_run_at_its_evaluation_and_a_rerun_stays(tmp_path):
   assert summary["params_sha256"] == tree_checksum(final["params"])
   # A re-run restores the stopped step and trains no further.
   again = training.run_loop(str(tmp_path), init, _step, 100, ckpt, train,
-                            eval_fn, stop_fn=stop_fn)
+                            eval_fn, on_eval=on_eval)
   assert seen == [2, 4] and int(again["step"]) == 4
   assert json.load(open(tmp_path / training.SUMMARY_FILE)) == summary

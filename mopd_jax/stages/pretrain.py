@@ -8,7 +8,10 @@ With ``select.target > 0`` the run stops by measurement, not at a step
 count: skills appear abruptly, at a step that moves with the seed and with
 the machine's float rounding, so the base is the first checkpoint (every
 ``train.eval_every`` steps, at a constant rate) where every training
-domain's greedy accuracy on its validation split reaches the target.
+domain's greedy accuracy on its validation split reaches the target. A
+domain above ``select.ceiling`` at an evaluation is drawn at
+``select.hold_weight`` times its weight until the next one, so that the
+fast skills wait for the slow ones inside the band.
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ def batch_drawer(train_sets, weights: np.ndarray, seed: int, step: int):
     return train_sets[d][int(rng.integers(len(train_sets[d])))]
 
   return draw
+
+
+def held_weights(base: np.ndarray, held: np.ndarray, hold_weight: float
+                 ) -> np.ndarray:
+  """``w_d = b_d h_d / sum_e b_e h_e`` with ``h_d = hold_weight`` for a
+  domain held back (above the ceiling at the last evaluation), else 1."""
+  w = np.asarray(base) * np.where(np.asarray(held) > 0, hold_weight, 1.0)
+  return w / w.sum()
 
 
 def validation_accuracy(scalars) -> dict[str, float]:
@@ -90,11 +101,15 @@ def run(config, workdir: str):
   sources = [train_sets[d] for d in config.data.domains]
 
   def step_fn(state, step):
-    draw = batch_drawer(sources, weights, config.seed, step)
+    mix = (weights if "held" not in state else held_weights(
+        weights, state["held"], config.select.hold_weight))
+    draw = batch_drawer(sources, mix, config.seed, step)
     arrays, _ = batching.pack_demonstrations(draw, tokenizer,
                                              config.train.batch_size, length)
+    trained = {k: state[k] for k in ("params", "opt_state", "step")}
     with parallel.activate(mesh):
-      return train_step(state, parallel.shard_batch(mesh, arrays))
+      new, pairs = train_step(trained, parallel.shard_batch(mesh, arrays))
+    return dict(state, **new), pairs
 
   test_eval = evaluator.make_eval_fn(
       config, model_cfg, tokenizer, test_sets, mesh,
@@ -121,7 +136,9 @@ def run(config, workdir: str):
       scalars.update(final)
     return scalars
 
-  def stop_fn(step, scalars):
+  def on_eval(state, step, scalars):
+    """Stop at the target; otherwise hold back the domains above the
+    ceiling until the next evaluation."""
     accuracy = validation_accuracy(scalars)
     record = selection(step, accuracy, config.select)
     if not record and step >= config.train.steps:
@@ -131,9 +148,16 @@ def run(config, workdir: str):
             + (f"; above the ceiling {config.select.ceiling}: "
                + ", ".join(record["above_ceiling"])
                if record["above_ceiling"] else ""))
-    return record
+    held = np.array([accuracy.get(d, 0.0) > config.select.ceiling
+                     for d in config.data.domains], np.float32)
+    if held.any():
+      print(f"step {step}: above the ceiling, held at weight x"
+            f"{config.select.hold_weight}: " + ", ".join(
+                d for d, h in zip(config.data.domains, held) if h))
+    return dict(state, held=held), record
 
+  state["held"] = np.zeros(len(config.data.domains), np.float32)
   return training.run_loop(workdir, state, step_fn, config.train.steps,
                            config.checkpoint, config.train, select_eval_fn,
                            desc=f"pretrain (to {config.select.target:.0%}"
-                           " validation)", stop_fn=stop_fn)
+                           " validation)", on_eval=on_eval)

@@ -4,6 +4,7 @@ one line and exit code 2."""
 
 import json
 
+import numpy as np
 import pytest
 
 from conftest import load_config, train_cli
@@ -22,6 +23,12 @@ def test_selection_needs_every_domain_at_the_target():
   assert "add 0.100" in line and "sort" not in line.split("(")[1]
 
 
+def test_held_weights_scale_the_held_domains_and_renormalise():
+  w = pretrain.held_weights(np.array([0.4, 0.4, 0.2]), np.array([0, 1, 0]),
+                            0.1)
+  np.testing.assert_allclose(w, np.array([0.4, 0.04, 0.2]) / 0.64)
+
+
 def test_validation_accuracy_reads_only_greedy_accuracy():
   scalars = {"validation/greedy/add/accuracy": 0.5,
              "validation/greedy/add/length": 3.0,
@@ -30,13 +37,14 @@ def test_validation_accuracy_reads_only_greedy_accuracy():
 
 
 def test_stage_stops_at_the_first_evaluation_reaching_the_target(
-    tmp_path, data_dir, monkeypatch):
+    tmp_path, data_dir, monkeypatch, capsys):
   """The real stage on the smoke model, its validation accuracy scripted:
-  short of the target at step 2, reached at step 4 of 8."""
+  short of the target at step 2 (sort above the ceiling, so held back),
+  reached at step 4 of 8."""
   config = load_config("pretrain", "smoke")
   config.data.data_dir = data_dir
   config.train.steps = 8
-  config.select.target = 0.5
+  config.select.update(target=0.5, ceiling=0.8)
   config = config_lib.validate(config)
   calls = []
   real = pretrain.validation_accuracy
@@ -45,7 +53,9 @@ def test_stage_stops_at_the_first_evaluation_reaching_the_target(
     found = real(scalars)
     assert set(found) == {"add", "chain", "instruct", "sort"}
     calls.append(found)
-    return {d: 0.6 if len(calls) > 2 else 0.4 for d in found}
+    if len(calls) > 2:
+      return {d: 0.6 for d in found}
+    return {d: 0.9 if d == "sort" else 0.4 for d in found}
 
   monkeypatch.setattr(pretrain, "validation_accuracy", scripted)
   pretrain.run(config, str(tmp_path))
@@ -54,6 +64,9 @@ def test_stage_stops_at_the_first_evaluation_reaching_the_target(
   assert summary["stopped"]["validation_greedy"]["add"] == 0.6
   assert json.loads((tmp_path / "eval.json").read_text())["step"] == 4
   assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "4"
+  out = capsys.readouterr().out
+  assert "step 2: above the ceiling, held at weight x0.1: sort" in out
+  assert "base selected at step 4" in out
 
 
 def test_target_never_reached_is_one_line_exit_2(tmp_path, data_dir):
