@@ -40,7 +40,7 @@ from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.errors import UserError, fail
 from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import figures, headroom
-from mopd_jax.fusion.mopd import parse_teachers
+from mopd_jax.fusion.teachers import parse_teachers
 from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
                              write_text_atomic)
 

@@ -20,6 +20,7 @@ from mopd_jax import parallel
 from mopd_jax.data.domains import DOMAINS, TRAIN_DOMAINS
 from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import merge
+from mopd_jax.objectives import grpo, opd
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.rollout.sampler import SamplingConfig
 
@@ -340,19 +341,19 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rl.prompts_per_step", _positive, "> 0"),
     ("rl.epochs", _positive, "> 0"),
     ("rl.minibatches", _positive, "> 0"),
-    ("rl.advantage", lambda v: v in ("grpo", "drgrpo", "rloo", "passk"),
-     "grpo, drgrpo, rloo or passk"),
+    ("rl.advantage", lambda v: v in grpo.ADVANTAGES,
+     " or ".join(grpo.ADVANTAGES)),
     ("rl.advantage_eps", _positive, "> 0"),
     ("rl.eps_low", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("rl.eps_high", _non_negative, ">= 0"),
     ("rl.dual_clip", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
     ("rl.tis_cap", _non_negative, ">= 0 (0 disables)"),
     ("rl.beta", _non_negative, ">= 0"),
-    ("rl.kl_estimator", lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
+    ("rl.kl_estimator", lambda v: v in grpo.KL_ESTIMATORS,
+     " or ".join(grpo.KL_ESTIMATORS)),
     ("rl.entropy_coef", _non_negative, ">= 0"),
-    ("rl.aggregation",
-     lambda v: v in ("token_mean", "seq_mean_token_mean", "constant"),
-     "token_mean, seq_mean_token_mean or constant"),
+    ("rl.aggregation", lambda v: v in grpo.AGGREGATIONS,
+     " or ".join(grpo.AGGREGATIONS)),
     ("teachers", lambda v: bool(v), "the expert runs: a template with"
      " {domain} or domain=dir pairs"),
     ("experts", lambda v: bool(v), "the expert runs: a template with"
@@ -370,7 +371,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         0 < d <= 1 for d in v), "a non-empty tuple of values in (0, 1]"),
     ("merge.sweep_prompts", _positive, "> 0"),
     ("opd.router", lambda v: v == "oracle", "oracle"),
-    ("opd.loss", lambda v: v in ("pg", "topk", "kl"), "pg, topk or kl"),
+    ("opd.loss", lambda v: v in opd.LOSSES, " or ".join(opd.LOSSES)),
     ("opd.kl_alpha", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("opd.top_k", _positive, "> 0"),
     ("opd.lambda_orm", _non_negative, ">= 0"),
@@ -380,9 +381,8 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("open_mopd.target_shares", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
     ("open_mopd.token_share_power", _non_negative, ">= 0 (1: exact)"),
-    ("open_mopd.gap_statistic",
-     lambda v: v in ("abs_signal", "reverse_kl", "sequence_kl"),
-     "abs_signal, reverse_kl or sequence_kl"),
+    ("open_mopd.gap_statistic", lambda v: v in opd.GAP_STATISTICS,
+     " or ".join(opd.GAP_STATISTICS)),
     ("open_mopd.gap_alpha", _non_negative, ">= 0"),
     ("open_mopd.gap_min", _positive, "> 0"),
     ("open_mopd.gap_max", _positive, "> 0"),

@@ -108,7 +108,7 @@ class ExampleSource(Sequence):
     return _to_example(self._source[index % n])
 
   def __getitems__(self, indices: Sequence[int]) -> list[Example]:
-    """Examples at ``indices``, read in one batch (grain uses this)."""
+    """Examples at ``indices``, read in one batch."""
     n = len(self._source)
     indices = [int(i) for i in indices]
     bad = [i for i in indices if not 0 <= i < n]

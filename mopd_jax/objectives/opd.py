@@ -12,6 +12,13 @@ import jax
 import jax.numpy as jnp
 
 GAP_STATISTICS = ("abs_signal", "reverse_kl", "sequence_kl")
+# opd.loss -> the per-token distillation loss it names (assembled in
+# stages/mopd.make_loss from the functions below and the fused ops)
+LOSSES = {
+    "pg": "clipped policy gradient with a_t as a stop-gradient advantage",
+    "topk": "the student's top-K dense reward (topk_dense_loss)",
+    "kl": "the exact per-position KL over the vocabulary (ops.vocab_kl)",
+}
 
 
 def token_signal(teacher_logp: jax.Array, student_logp: jax.Array

@@ -33,7 +33,7 @@ def student_positions(params, cfg, mb: dict, temperature: float,
   return {"logp": logp, "entropy": ent, "h": h, "w": w, "scale": scale}
 
 
-def finish(per_token: jax.Array, clipped: jax.Array, stats: dict, mb: dict,
+def aggregate_loss(per_token: jax.Array, clipped: jax.Array, stats: dict, mb: dict,
            rl, max_new_tokens: int, metrics: dict | None = None):
   """``(loss, metrics)`` of a per-token loss ``L_t``:
 

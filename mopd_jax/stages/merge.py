@@ -24,7 +24,7 @@ from mopd_jax.checkpointing import Checkpointer
 from mopd_jax.checksum import named_leaves
 from mopd_jax.data import splits
 from mopd_jax.evaluation import evaluator, geometry, headroom
-from mopd_jax.fusion import merge, mopd
+from mopd_jax.fusion import merge, teachers
 
 SWEEP_FILE = "sweep.json"
 VALIDATION = "validation"
@@ -62,7 +62,7 @@ def check(config) -> dict[str, str]:
   """``{domain: expert run}``, each run checked against the base's
   tokenizer and architecture; the method's expert count."""
   tokenizer, model_cfg, _ = runs.setup(config)
-  dirs = mopd.parse_teachers(config.experts, tuple(config.data.domains),
+  dirs = teachers.parse_teachers(config.experts, tuple(config.data.domains),
                              field="experts")
   for run_dir in dirs.values():
     run_config = runs.load_run_config(run_dir)

@@ -23,7 +23,7 @@ from mopd_jax import config as config_lib
 from mopd_jax.data import mixture
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.evaluation import headroom
-from mopd_jax.fusion import mopd
+from mopd_jax.fusion import open_mopd, teachers
 from mopd_jax.objectives import grpo, opd, policy
 from mopd_jax.ops import vocab
 from mopd_jax.reductions import masked_sum_count
@@ -49,7 +49,7 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
   full-vocabulary term runs once per teacher with only that teacher's rows
   unmasked (the fused ops give masked rows 0 but still compute them: J
   unembedding passes over the minibatch, against one transformer forward
-  per teacher over its own rows, done before, in ``mopd.score``).
+  per teacher over its own rows, done before, in ``teachers.score``).
 
   With ``a_t = log T(y_t) - log pi(y_t)`` (``pi`` the current student under
   ``refresh``, else the rollout-time one), per token:
@@ -116,35 +116,20 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
     metrics = {k: masked_sum_count(v, mask) for k, v in metrics.items()}
     metrics.update(signal=masked_sum_count(signal, mask),
                    gated=masked_sum_count(1.0 - gate, mask))
-    return policy.finish(per_token, clipped, stats, mb, rl_cfg,
+    return policy.aggregate_loss(per_token, clipped, stats, mb, rl_cfg,
                          sampling.max_new_tokens, metrics)
 
   return loss_fn
 
 
 def stacked_unembeddings(teacher_params, teacher_cfgs) -> jax.Array:
-  """[teachers, D_max, V]: each teacher's ``mopd.combined_unembedding``,
+  """[teachers, D_max, V]: each teacher's ``teachers.combined_unembedding``,
   zero-padded in D."""
-  ws = [mopd.combined_unembedding(c, p)
+  ws = [teachers.combined_unembedding(c, p)
         for c, p in zip(teacher_cfgs, teacher_params)]
   width = max(w.shape[0] for w in ws)
   return jnp.stack([jnp.pad(w, ((0, width - w.shape[0]), (0, 0)))
                     for w in ws])
-
-
-def domain_loss_weights(tokens: np.ndarray, gap_f: np.ndarray, om,
-                        num_domains: int) -> np.ndarray:
-  """Per-domain loss weights of a batch with ``tokens[d]`` tokens per domain:
-  the token-share weights (if on) times the gap factors (if they steer the
-  loss), rescaled to a token-weighted mean of 1."""
-  w = np.ones(num_domains)
-  if om.token_share:
-    w = w * mopd.token_share_weights(
-        tokens, mixture.base_weights(range(num_domains), om.target_shares),
-        om.token_share_power)
-  if om.gap_budget and om.gap_steers in ("loss", "both"):
-    w = w * gap_f
-  return mopd.normalise_by_tokens(w, tokens)
 
 
 def write_headroom(workdir: str, scalars: dict, base_dir: str,
@@ -168,31 +153,30 @@ class MOPD:
   """The ``on_policy.Method`` of multi-teacher distillation: each sample
   scored by its domain's teacher; Open-MOPD's loss weights and gap state."""
 
-  def __init__(self, config, tokenizer, model_cfg, mesh, params):
-    del params
+  def __init__(self, config, tokenizer, model_cfg, mesh):
     self.config = config
-    opd_cfg, self.om = config.opd, config.open_mopd
+    opd_cfg, self.open_cfg = config.opd, config.open_mopd
     if opd_cfg.loss == "topk" and opd_cfg.top_k > model_cfg.vocab_size:
       raise ConfigError(f"opd.top_k: {opd_cfg.top_k} exceeds the vocabulary"
                         f" of {model_cfg.vocab_size}")
     self.names = tuple(config.data.domains)
     self.base = mixture.base_weights(self.names, config.data.weights)
-    self.teacher_mesh = mopd.teacher_mesh(mesh, opd_cfg.teacher_devices)
-    self.teachers = mopd.load_teachers(
-        mopd.parse_teachers(config.teachers, self.names), tokenizer,
+    self.teacher_mesh = teachers.teacher_mesh(mesh, opd_cfg.teacher_devices)
+    self.teachers = teachers.load_teachers(
+        teachers.parse_teachers(config.teachers, self.names), tokenizer,
         self.teacher_mesh, with_init=opd_cfg.proxy_teacher)
-    self.router = mopd.ROUTERS[opd_cfg.router](self.names, self.teachers)
-    student_init = (mopd.Model(model_cfg, runs.load_params(
+    self.router = teachers.ROUTERS[opd_cfg.router](self.names, self.teachers)
+    student_init = (teachers.Model(model_cfg, runs.load_params(
         config.init, model_cfg, self.teacher_mesh)) if opd_cfg.proxy_teacher
                     else None)
     wide = full_vocabulary(opd_cfg)
     ops = config_lib.op_options(config)
     self.scorers, self.teacher_params, teacher_cfgs = [], [], []
     for t in self.teachers:
-      models, signs = mopd.teacher_models(t, student_init)
+      models, signs = teachers.teacher_models(t, student_init)
       teacher_cfgs.append(tuple(m.cfg for m in models))
       self.teacher_params.append(tuple(m.params for m in models))
-      self.scorers.append(mopd.make_scorer(
+      self.scorers.append(teachers.make_scorer(
           teacher_cfgs[-1], signs, opd_cfg.entropy_threshold > 0, wide,
           tuple(ops.items())))
     # The loss reads the teachers' unembeddings on the student's mesh.
@@ -204,18 +188,18 @@ class MOPD:
     self.shared = (teacher_w,)
 
   def init_state(self) -> dict:
-    return {"gap": mopd.init_gap_state(len(self.names))}
+    return {"gap": open_mopd.init_gap_state(len(self.names))}
 
   def gap_now(self, gap_state) -> np.ndarray:
-    om = self.om
-    if not om.gap_budget:
+    open_cfg = self.open_cfg
+    if not open_cfg.gap_budget:
       return np.ones(len(self.names))
-    return mopd.gap_factors(mopd.remaining_gap(gap_state, om.gap_relative),
-                            gap_state["count"] > 0, self.base, om.gap_alpha,
-                            om.gap_min, om.gap_max)
+    return open_mopd.gap_factors(open_mopd.remaining_gap(gap_state, open_cfg.gap_relative),
+                            gap_state["count"] > 0, self.base, open_cfg.gap_alpha,
+                            open_cfg.gap_min, open_cfg.gap_max)
 
   def proportions(self, state) -> np.ndarray:
-    if self.om.gap_budget and self.om.gap_steers in ("sampling", "both"):
+    if self.open_cfg.gap_budget and self.open_cfg.gap_steers in ("sampling", "both"):
       weights = self.base * self.gap_now(state["gap"])
       return weights / weights.sum()
     return self.base
@@ -223,24 +207,24 @@ class MOPD:
   def signal(self, state, data, seq_ids) -> None:
     """Each sample routed to one teacher, which scores its tokens."""
     teacher_ids = self.router.route(seq_ids)
-    data.update(mopd.score(self.scorers, self.teacher_params, teacher_ids,
+    data.update(teachers.score(self.scorers, self.teacher_params, teacher_ids,
                            data, self.teacher_mesh, self.hidden_width))
     data["teacher_id"] = teacher_ids.astype(np.int32)
 
   def weigh(self, state, data, seq_ids) -> dict:
     """The gap state and the per-domain loss weights of this batch."""
-    om = self.om
+    open_cfg = self.open_cfg
     mask = data["mask"].astype(bool)
     signal = np.where(mask, opd.token_signal(data["teacher_logp"],
                                              data["old_logp"]), 0.0)
     token_domain = np.broadcast_to(seq_ids[:, None], mask.shape)[mask]
-    gap_state = mopd.update_gap_state(
-        state["gap"], *mopd.gap_observations(signal, mask, seq_ids,
-                                             om.gap_statistic),
-        om.gap_momentum)
+    gap_state = open_mopd.update_gap_state(
+        state["gap"], *open_mopd.gap_observations(signal, mask, seq_ids,
+                                             open_cfg.gap_statistic),
+        open_cfg.gap_momentum)
     tokens = np.bincount(token_domain, minlength=len(self.names)).astype(
         float)
-    loss_w = domain_loss_weights(tokens, self.gap_now(gap_state), om,
+    loss_w = open_mopd.domain_loss_weights(tokens, self.gap_now(gap_state), open_cfg,
                                  len(self.names))
     data["weight"] = loss_w[seq_ids].astype(np.float32)
     return {"gap": gap_state}, (signal[mask], token_domain, tokens, loss_w)
@@ -261,8 +245,8 @@ class MOPD:
     return {}, pairs
 
 
-def make_method(config, tokenizer, model_cfg, mesh, params, sampling):
-  method = MOPD(config, tokenizer, model_cfg, mesh, params)
+def make_method(config, tokenizer, model_cfg, mesh, sampling):
+  method = MOPD(config, tokenizer, model_cfg, mesh)
   loss = make_loss(model_cfg, sampling, config.rl, config.opd,
                    config.open_mopd.reward_refresh,
                    config_lib.op_options(config))
@@ -273,12 +257,12 @@ def make_method(config, tokenizer, model_cfg, mesh, params, sampling):
 def run(config, workdir: str):
   """Distil the teachers into the student; returns the final state."""
   write_eval = runs.write_eval(workdir, config.train.steps)
-  teachers = mopd.parse_teachers(config.teachers, tuple(config.data.domains))
+  dirs = teachers.parse_teachers(config.teachers, tuple(config.data.domains))
 
   def on_final(scalars):
     write_eval(scalars)
     write_headroom(workdir, scalars, config.init,
-                   {d: run_dir for d, run_dir in teachers.items()
+                   {d: run_dir for d, run_dir in dirs.items()
                     if d in config.eval.domains})
 
   return on_policy.run(config, workdir, make_method, "mopd", on_final)

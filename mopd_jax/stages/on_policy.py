@@ -245,19 +245,20 @@ def step(ctx: Context, method: Method, state: dict, step: int):
 
 
 def run(config, workdir: str, make_method, desc: str, on_final=None):
-  """The whole on-policy run: set up, load ``init``, build the method
-  (``make_method(config, tokenizer, model_cfg, mesh, params, sampling)``
-  -> ``(method, loss_fn, needs_reference)``), then the step loop with its
-  evaluations (``on_final(scalars)`` at the end; default: ``eval.json``).
-  Returns the final state."""
+  """The whole on-policy run: set up, build the method
+  (``make_method(config, tokenizer, model_cfg, mesh, sampling)`` ->
+  ``(method, loss_fn, needs_reference)``), load ``init``, then the step
+  loop with its evaluations (``on_final(scalars)`` at the end; default:
+  ``eval.json``). Returns the final state."""
   tokenizer, model_cfg, mesh = runs.setup(config)
   rl = config.rl
   batch = rl.prompts_per_step * rl.group_size
   runs.check_divisible(mesh, batch // rl.minibatches, "rl.minibatches")
   sampling = config_lib.sampling_config(config.sampling, tokenizer)
-  params = runs.load_params(config.init, model_cfg, mesh)
+  # The method first: its runs (teachers) are checked before any loading.
   method, loss_fn, needs_reference = make_method(
-      config, tokenizer, model_cfg, mesh, params, sampling)
+      config, tokenizer, model_cfg, mesh, sampling)
+  params = runs.load_params(config.init, model_cfg, mesh)
   test_sets = splits.eval_sets(config, config.eval.domains)
   rollouts = Rollouts(config, tokenizer, model_cfg, mesh, method.names,
                       sampling)

@@ -32,7 +32,7 @@ def make_loss(model_cfg, sampling, rl, ops: dict):
     per_token, clipped = grpo.clipped_policy_loss(
         stats["logp"], mb["old_logp"], mb["advantages"], rl.eps_low,
         rl.eps_high, rl.dual_clip, mb.get("behaviour_logp"), rl.tis_cap)
-    return policy.finish(per_token, clipped, stats, mb, rl,
+    return policy.aggregate_loss(per_token, clipped, stats, mb, rl,
                          sampling.max_new_tokens)
 
   return loss_fn
@@ -84,8 +84,8 @@ class GRPO:
     }
 
 
-def make_method(config, tokenizer, model_cfg, mesh, params, sampling):
-  del tokenizer, mesh, params
+def make_method(config, tokenizer, model_cfg, mesh, sampling):
+  del tokenizer, mesh
   loss = make_loss(model_cfg, sampling, config.rl,
                    config_lib.op_options(config))
   return GRPO(config), loss, config.rl.beta > 0

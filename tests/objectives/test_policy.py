@@ -25,7 +25,7 @@ def test_finish_adds_kl_and_entropy_bonus(beta, entropy_coef):
   rl = ml_collections.ConfigDict(dict(beta=beta, kl_estimator="k3",
                                       entropy_coef=entropy_coef,
                                       aggregation="token_mean"))
-  loss, metrics = policy.finish(jnp.asarray(per_token),
+  loss, metrics = policy.aggregate_loss(jnp.asarray(per_token),
                                 jnp.zeros((b, t)), stats, mb, rl, t)
 
   d = ref_logp.astype(np.float64) - logp

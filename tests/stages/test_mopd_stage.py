@@ -15,7 +15,8 @@ from conftest import ROOT, train_cli
 from mopd_jax import config as config_lib
 from mopd_jax import parallel
 from mopd_jax.data import batching
-from mopd_jax.fusion import mopd
+from mopd_jax.fusion import open_mopd
+from mopd_jax.fusion import teachers as teacher_lib
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
@@ -54,10 +55,10 @@ def _batch(student, teachers, teacher_ids):
               keep=np.ones(4, np.float32), weight=np.ones(4, np.float32),
               teacher_id=teacher_ids)
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
-  scorers = [mopd.make_scorer((cfg,), (1.0,), True, True)
+  scorers = [teacher_lib.make_scorer((cfg,), (1.0,), True, True)
              for cfg, _ in teachers]
   width = max(cfg.embed_dim for cfg, _ in teachers)
-  data.update(mopd.score(scorers, [(p,) for _, p in teachers], teacher_ids,
+  data.update(teacher_lib.score(scorers, [(p,) for _, p in teachers], teacher_ids,
                          data, mesh, width))
   return data
 
@@ -248,7 +249,7 @@ def test_distillation_closes_the_gap_to_a_teacher():
   train = dict(params=student, opt_state=optimizer.init(student))
   update = on_policy.make_update(
       mopd_stage.make_loss(cfg, SAMPLING, rl, opd_cfg, True, {}), optimizer)
-  scorer = mopd.make_scorer((cfg,), (1.0,), False, False)
+  scorer = teacher_lib.make_scorer((cfg,), (1.0,), False, False)
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
   prompts = ["add 1+2=", "rev abc:", "sort cab:", "first 1 of ab:"]
   prompt, pmask = batching.encode_prompts(
@@ -259,7 +260,7 @@ def test_distillation_closes_the_gap_to_a_teacher():
                          jax.random.key(step), SAMPLING)
     data, _ = on_policy.rollout_batch(out, prompt, pmask,
                                      np.zeros(len(prompt), np.float32), rl)
-    data.update(mopd.score([scorer], [(teacher,)],
+    data.update(teacher_lib.score([scorer], [(teacher,)],
                            np.zeros(len(prompt), np.int32), data, mesh))
     data["weight"] = np.ones(len(prompt), np.float32)
     mask = data["mask"]
@@ -368,7 +369,7 @@ def test_domain_loss_weights_hand_computed(token_share, power, steers, want):
   om.update(token_share=token_share, token_share_power=power, gap_budget=True,
             gap_steers=steers)
   tokens = np.array([10.0, 30.0, 60.0])
-  got = mopd_stage.domain_loss_weights(tokens, np.array([1.0, 2.0, 0.5]), om,
+  got = open_mopd.domain_loss_weights(tokens, np.array([1.0, 2.0, 0.5]), om,
                                        3)
   np.testing.assert_allclose(got, want, rtol=1e-6)
   np.testing.assert_allclose(np.sum(got * tokens) / tokens.sum(), 1.0)

@@ -7,7 +7,7 @@ import pytest
 
 from mopd_jax import parallel
 from mopd_jax.errors import ConfigError
-from mopd_jax.fusion import mopd
+from mopd_jax.fusion import open_mopd, teachers
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
 
@@ -15,23 +15,23 @@ DOMAINS = ("add", "chain", "sort")
 
 
 def test_parse_teachers_template_and_pairs():
-  assert mopd.parse_teachers("runs/e_{domain}", DOMAINS) == {
+  assert teachers.parse_teachers("runs/e_{domain}", DOMAINS) == {
       d: f"runs/e_{d}" for d in DOMAINS}
-  assert mopd.parse_teachers("sort=c, add=a,chain=b", DOMAINS) == {
+  assert teachers.parse_teachers("sort=c, add=a,chain=b", DOMAINS) == {
       "add": "a", "chain": "b", "sort": "c"}
   with pytest.raises(ConfigError, match="teachers: no run for domain 'sort'"):
-    mopd.parse_teachers("add=a,chain=b", DOMAINS)
+    teachers.parse_teachers("add=a,chain=b", DOMAINS)
   with pytest.raises(ConfigError, match="not domain=run_dir"):
-    mopd.parse_teachers("add=a,chain,sort=c", DOMAINS)
+    teachers.parse_teachers("add=a,chain,sort=c", DOMAINS)
 
 
 def test_oracle_router_sends_each_sample_to_its_domain_teacher():
-  teachers = [mopd.Teacher(d, "", None, None) for d in ("sort", "add",
-                                                         "chain")]
-  router = mopd.OracleRouter(DOMAINS, teachers)
+  found = [teachers.Teacher(d, "", None, None) for d in ("sort", "add",
+                                                          "chain")]
+  router = teachers.OracleRouter(DOMAINS, found)
   ids = np.array([0, 1, 2, 2, 0, 1])
   routed = router.route(ids)
-  assert [teachers[j].domain for j in routed] == [DOMAINS[i] for i in ids]
+  assert [found[j].domain for j in routed] == [DOMAINS[i] for i in ids]
 
 
 def test_score_runs_each_teacher_on_exactly_its_rows():
@@ -57,7 +57,7 @@ def test_score_runs_each_teacher_on_exactly_its_rows():
     return scorer
 
   widths = (3, 2, 4)  # teachers of different hidden sizes
-  out = mopd.score([fake(j, widths[j]) for j in range(3)], [None] * 3,
+  out = teachers.score([fake(j, widths[j]) for j in range(3)], [None] * 3,
                    teacher_ids, arrays, mesh, hidden_width=4)
   np.testing.assert_array_equal(
       out["teacher_logp"], arrays["completion"] + 100.0 * teacher_ids[:, None])
@@ -75,17 +75,17 @@ def test_score_runs_each_teacher_on_exactly_its_rows():
 
 
 def test_token_share_weights_hand_computed():
-  w = mopd.token_share_weights(np.array([100, 300, 0, 600]), np.ones(4))
+  w = open_mopd.token_share_weights(np.array([100, 300, 0, 600]), np.ones(4))
   np.testing.assert_allclose(w, [10 / 3, 10 / 9, 0.0, 5 / 9], rtol=1e-9)
   shares = np.array([100, 300, 0, 600]) / 1000
   assert np.isclose(np.sum(shares * w), 1.0)
-  w = mopd.token_share_weights(np.array([200, 200]), np.array([3.0, 1.0]))
+  w = open_mopd.token_share_weights(np.array([200, 200]), np.array([3.0, 1.0]))
   np.testing.assert_allclose(w, [1.5, 0.5])
 
 
 def test_token_share_power_moves_shares_part_way():
   tokens = np.array([100, 300, 0, 600])
-  w = mopd.token_share_weights(tokens, np.ones(4), power=0.5)
+  w = open_mopd.token_share_weights(tokens, np.ones(4), power=0.5)
   raw = np.sqrt([1 / 3 / 0.1, 1 / 3 / 0.3, 0.0, 1 / 3 / 0.6])
   np.testing.assert_allclose(w, raw / np.sum(raw * tokens / 1000), rtol=1e-9)
   loss_share = w * tokens / 1000
@@ -93,55 +93,55 @@ def test_token_share_power_moves_shares_part_way():
   # the smallest domain's loss share lies between its token share and target
   assert 0.1 < loss_share[0] < 1 / 3
   np.testing.assert_allclose(
-      mopd.token_share_weights(tokens, np.ones(4), power=0.0),
+      open_mopd.token_share_weights(tokens, np.ones(4), power=0.0),
       [1.0, 1.0, 0.0, 1.0])
 
 
 def test_gap_factors_hand_computed():
   gap = np.array([0.2, 0.4, 0.1, 0.0])
   seen = np.array([True, True, True, False])
-  f = mopd.gap_factors(gap, seen, np.ones(4) / 4, 1.0, 0.5, 2.0)
+  f = open_mopd.gap_factors(gap, seen, np.ones(4) / 4, 1.0, 0.5, 2.0)
   ref = 0.7 / 3
   np.testing.assert_allclose(f, [0.2 / ref, 0.4 / ref, 0.5, 1.0], rtol=1e-9)
-  f = mopd.gap_factors(gap, seen, np.ones(4) / 4, 2.0, 0.1, 10.0)
+  f = open_mopd.gap_factors(gap, seen, np.ones(4) / 4, 2.0, 0.1, 10.0)
   np.testing.assert_allclose(f[:3], (gap[:3] / ref) ** 2, rtol=1e-9)
   np.testing.assert_array_equal(
-      mopd.gap_factors(gap, np.zeros(4, bool), np.ones(4), 1.0, 0.5, 2.0),
+      open_mopd.gap_factors(gap, np.zeros(4, bool), np.ones(4), 1.0, 0.5, 2.0),
       np.ones(4))
 
 
 def test_gap_state_keeps_each_domains_first_gap():
-  state = mopd.init_gap_state(3)
-  state = mopd.update_gap_state(state, np.array([0, 0, 2]),
+  state = open_mopd.init_gap_state(3)
+  state = open_mopd.update_gap_state(state, np.array([0, 0, 2]),
                                 np.array([1.0, 3.0, 0.5]), 0.5)
   np.testing.assert_allclose(state["initial"], [2.0, 0.0, 0.5])
-  state = mopd.update_gap_state(state, np.array([0, 1]),
+  state = open_mopd.update_gap_state(state, np.array([0, 1]),
                                 np.array([1.0, 4.0]), 0.5)
   np.testing.assert_allclose(state["signal"], [1.5, 4.0, 0.5])
   np.testing.assert_allclose(state["initial"], [2.0, 4.0, 0.5])
-  np.testing.assert_allclose(mopd.remaining_gap(state, False),
+  np.testing.assert_allclose(open_mopd.remaining_gap(state, False),
                              [1.5, 4.0, 0.5])
-  np.testing.assert_allclose(mopd.remaining_gap(state, True),
+  np.testing.assert_allclose(open_mopd.remaining_gap(state, True),
                              [0.75, 1.0, 1.0])
 
 
 def test_normalise_by_tokens_and_gap_statistics():
-  w = mopd.normalise_by_tokens(np.array([2.0, 1.0]), np.array([10, 30]))
+  w = open_mopd.normalise_by_tokens(np.array([2.0, 1.0]), np.array([10, 30]))
   assert np.isclose((w * [10, 30]).sum() / 40, 1.0)
   np.testing.assert_allclose(w / w[1], [2.0, 1.0])
   signal = np.array([[-0.5, 0.25, 9.0], [0.1, -0.3, -0.2]])
   mask = np.array([[1, 1, 0], [1, 1, 1]])
   domains = np.array([1, 0])
-  ids, values = mopd.gap_observations(signal, mask, domains, "abs_signal")
+  ids, values = open_mopd.gap_observations(signal, mask, domains, "abs_signal")
   np.testing.assert_array_equal(ids, [1, 1, 0, 0, 0])
   np.testing.assert_allclose(values, [0.5, 0.25, 0.1, 0.3, 0.2])
-  ids, values = mopd.gap_observations(signal, mask, domains, "reverse_kl")
+  ids, values = open_mopd.gap_observations(signal, mask, domains, "reverse_kl")
   np.testing.assert_allclose(values, [0.5, -0.25, -0.1, 0.3, 0.2])
-  ids, values = mopd.gap_observations(signal, mask, domains, "sequence_kl")
+  ids, values = open_mopd.gap_observations(signal, mask, domains, "sequence_kl")
   np.testing.assert_array_equal(ids, [1, 0])
   np.testing.assert_allclose(values, [0.25, 0.4])
   with pytest.raises(ConfigError):
-    mopd.gap_observations(signal, mask, domains, "median")
+    open_mopd.gap_observations(signal, mask, domains, "median")
 
 
 def test_proxy_teacher_scores_with_shifted_logits():
@@ -161,8 +161,8 @@ def test_proxy_teacher_scores_with_shifted_logits():
           np.ones((8, 5), np.int32),
           rng.integers(3, 50, (8, 6)).astype(np.int32),
           np.ones((8, 6), np.int32))
-  proxy = mopd.make_scorer((cfg,) * 3, (1.0, 1.0, -1.0), False, False)
-  alone = mopd.make_scorer((cfg,), (1.0,), False, False)
+  proxy = teachers.make_scorer((cfg,) * 3, (1.0, 1.0, -1.0), False, False)
+  alone = teachers.make_scorer((cfg,), (1.0,), False, False)
   np.testing.assert_allclose(proxy((init, expert, init), *args)["teacher_logp"],
                              alone((expert,), *args)["teacher_logp"],
                              rtol=1e-5, atol=1e-5)

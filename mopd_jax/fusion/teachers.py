@@ -1,16 +1,9 @@
-"""MOPD: teachers, routing, teacher scoring and the Open-MOPD budget.
-
-* ``parse_teachers`` / ``load_teachers``: one expert run per domain, checked
-  against the student's token ids at start-up.
-* ``OracleRouter``: every sample goes to the teacher of its domain (the
-  ``Router`` protocol admits others).
-* ``score``: each teacher runs one forward pass over only the samples routed
-  to it, one teacher at a time, and its per-token log-probs (entropies,
-  hidden states) are scattered back into batch order.
-* ``token_share_weights``, ``gap_factors``, ``domain_weights``: the
-  per-domain loss weights of token-share balancing and of the gap-aware
-  budget, whose state (``init_gap_state``, ``update_gap_state``,
-  ``remaining_gap``) is checkpointed with the run.
+"""Teachers of on-policy distillation: one expert run per domain, checked
+against the student's token ids at start-up; routing (``OracleRouter``:
+every sample to the teacher of its domain; the ``Router`` protocol admits
+others); and scoring (``score``: each teacher runs one forward pass over
+only the samples routed to it, one teacher at a time, its per-token
+log-probs, entropies and hidden states scattered back into batch order).
 """
 
 from __future__ import annotations
@@ -25,11 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mopd_jax import parallel, runs
-from mopd_jax.data import mixture
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
-from mopd_jax.objectives import opd
 from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
 
@@ -217,98 +208,3 @@ def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
       else:
         out[key][rows] = value
   return out
-
-
-def token_share_weights(tokens: np.ndarray, targets: np.ndarray,
-                        power: float = 1.0) -> np.ndarray:
-  """Token-share balancing: ``w_d = (target_d / share_d)^power / Z`` with
-  ``share_d`` the fraction of the batch's tokens from domain ``d``, targets
-  renormalised over the domains present and ``Z`` chosen so that
-  ``sum_d share_d w_d = 1`` (the token-weighted mean weight is 1). Power 1
-  is exact balancing (each domain's share of the loss is its target); below
-  1 it moves each share only part of the way. Absent domains get 0."""
-  tokens = np.asarray(tokens, np.float64)
-  present = tokens > 0
-  share = tokens / max(tokens.sum(), 1e-12)
-  target = np.where(present, np.asarray(targets, np.float64), 0.0)
-  target = target / max(target.sum(), 1e-12)
-  w = np.where(present, (target / np.where(present, share, 1.0)) ** power,
-               0.0)
-  return normalise_by_tokens(w, tokens)
-
-
-def gap_factors(gap: np.ndarray, seen: np.ndarray, base: np.ndarray,
-                alpha: float, lo: float, hi: float) -> np.ndarray:
-  """Gap-aware budget: ``f_d = clip((gap_d / ref)^alpha, lo, hi)`` with
-  ``ref = sum_d w_d gap_d`` (base proportions ``w``, renormalised over the
-  domains already ``seen``); 1 for domains not seen yet."""
-  gap = np.maximum(np.asarray(gap, np.float64), 1e-12)
-  seen = np.asarray(seen, bool)
-  if not seen.any():
-    return np.ones_like(gap)
-  w = np.where(seen, np.asarray(base, np.float64), 0.0)
-  ref = float(np.sum(w * gap) / w.sum())
-  return np.where(seen, np.clip((gap / ref) ** alpha, lo, hi), 1.0)
-
-
-def init_gap_state(num_domains: int) -> dict:
-  """Gap state: the running gap per domain (``signal``), the observations
-  behind it (``count``) and each domain's first observed gap
-  (``initial``)."""
-  return dict(mixture.init_state(num_domains),
-              initial=np.zeros(num_domains, np.float32))
-
-
-def update_gap_state(state: dict, domain_ids: np.ndarray, values: np.ndarray,
-                     momentum: float) -> dict:
-  """Fold one batch's gap observations into ``state``: an exponential
-  moving average per domain (``mixture.update_state``), and ``initial_d``
-  set from ``d``'s first batch."""
-  new = mixture.update_state(state, domain_ids, values, momentum)
-  first = (np.asarray(state["count"]) == 0) & (new["count"] > 0)
-  new["initial"] = np.where(first, new["signal"],
-                            state["initial"]).astype(np.float32)
-  return new
-
-
-def remaining_gap(state: dict, relative: bool) -> np.ndarray:
-  """The gap the budget compares across domains: the running gap ``g_d``,
-  or with ``relative`` the fraction still open, ``g_d / g_d(first batch)``
-  (how far each domain has converged, free of the domains' scales)."""
-  gap = np.asarray(state["signal"], np.float64)
-  if not relative:
-    return gap
-  return gap / np.maximum(np.abs(np.asarray(state["initial"], np.float64)),
-                          1e-12)
-
-
-def normalise_by_tokens(weights: np.ndarray, tokens: np.ndarray
-                        ) -> np.ndarray:
-  """``weights`` rescaled so that their token-weighted mean is 1."""
-  tokens = np.asarray(tokens, np.float64)
-  mean = float(np.sum(weights * tokens) / max(tokens.sum(), 1e-12))
-  return np.asarray(weights, np.float64) / max(mean, 1e-12)
-
-
-def gap_observations(signal: np.ndarray, mask: np.ndarray,
-                     seq_domain: np.ndarray, name: str):
-  """``(domain ids, values)`` whose per-domain mean is the remaining gap.
-
-  * ``abs_signal``: ``|a_t|`` per token (mean: the mean absolute signal);
-  * ``reverse_kl``: ``-a_t = log pi - log T`` per token (mean: the per-token
-    reverse KL, estimated on the student's samples);
-  * ``sequence_kl``: ``sum_t -a_t`` per sequence (mean: the per-sequence
-    reverse KL, which does not shrink a long domain's gap by its length).
-
-  ``signal`` and ``mask`` are [B, T], ``seq_domain`` [B].
-  """
-  mask = np.asarray(mask).astype(bool)
-  if name == "sequence_kl":
-    return seq_domain, np.where(mask, -signal, 0.0).sum(1)
-  token_domain = np.broadcast_to(seq_domain[:, None], mask.shape)[mask]
-  if name == "abs_signal":
-    return token_domain, np.abs(signal[mask])
-  if name == "reverse_kl":
-    return token_domain, -signal[mask]
-  raise ConfigError(f"open_mopd.gap_statistic: {name!r} not in"
-                    f" {opd.GAP_STATISTICS}")
