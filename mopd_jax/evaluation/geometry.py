@@ -27,9 +27,17 @@ import os
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
+from absl import app, flags, logging
 
+from mopd_jax import parallel, runs
 from mopd_jax.atomic import write_bytes_atomic, write_json_atomic
+from mopd_jax.checksum import named_leaves
+from mopd_jax.data.domains import TRAIN_DOMAINS
+from mopd_jax.errors import UserError, fail
 from mopd_jax.evaluation.figures import png_bytes, pyplot
+from mopd_jax.fusion.teachers import parse_teachers
+from mopd_jax.models.config import ModelConfig
+from mopd_jax.models.tokenizer import CharTokenizer
 
 KINDS = {
     "attention": ("q", "k", "v", "o", "q_norm", "k_norm", "q_bias",
@@ -199,3 +207,51 @@ def write(out_dir: str, geometry: Mapping) -> None:
   write_json_atomic(os.path.join(out_dir, GEOMETRY_FILE), dict(geometry))
   for name, data in figures(geometry).items():
     write_bytes_atomic(os.path.join(out_dir, name), data)
+
+
+def from_runs(init: str, experts: str, domains: Sequence[str],
+              tolerance: float = 0.0) -> dict:
+  """The geometry of the expert runs ``experts`` (a ``{domain}`` template or
+  ``domain=dir`` pairs) over the base run ``init``, each checked against
+  the base's architecture and tokenizer."""
+  base_config = runs.load_run_config(init)
+  tokenizer = CharTokenizer()
+  runs.check_same_tokens(init, base_config, tokenizer, "--init")
+  model_cfg = ModelConfig(**base_config.model.to_dict())
+  dirs = parse_teachers(experts, tuple(domains), field="--experts")
+  for run_dir in dirs.values():
+    run_config = runs.load_run_config(run_dir)
+    runs.check_same_tokens(run_dir, run_config, tokenizer, "--experts")
+    runs.check_same_model(run_dir, run_config, model_cfg, "--experts")
+  mesh = parallel.make_mesh(data=-1, fsdp=1, tensor=1)
+  with parallel.use_rules(parallel.DEFAULT_RULES):
+    base = dict(named_leaves(runs.load_params(init, model_cfg, mesh)))
+    return task_vector_geometry(
+        list(base), base.__getitem__,
+        runs.leaf_loader(list(dirs.values()), model_cfg, mesh), list(dirs),
+        model_cfg.embed_dim, lambda n: n.startswith("layers/"), tolerance)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)
+  values = flags.FLAGS
+  try:
+    found = from_runs(values.init, values.experts, values.domains,
+                      values.tolerance)
+    write(values.out, found)
+  except UserError as e:
+    fail(str(e))
+  print(f"wrote {os.path.join(values.out, GEOMETRY_FILE)}")
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("init", None, "The base run.")
+  flags.DEFINE_string("experts", None, "Expert runs: a template with"
+                      " {domain} or domain=dir pairs.")
+  flags.DEFINE_string("out", None, "Where geometry.json and the figures go.")
+  flags.DEFINE_list("domains", list(TRAIN_DOMAINS), "The experts' domains.")
+  flags.DEFINE_float("tolerance", 0.0, "|tau| above it counts as changed.")
+  flags.mark_flags_as_required(["init", "experts", "out"])
+  app.run(main)

@@ -149,3 +149,22 @@ def test_bad_experts_are_one_line_and_write_nothing(experts, smoke_run,
   assert result.stderr.strip().splitlines()[-1] == (
       f"error: experts: {other} has model.embed_dim = 64, the base 32")
   assert not (tmp_path / "run").exists()
+
+
+def test_geometry_cli_alone(experts, tmp_path, cached_env):
+  base, template = experts
+  result = subprocess.run(
+      [sys.executable, "-m", "mopd_jax.evaluation.geometry", f"--init={base}",
+       f"--experts={template}", f"--out={tmp_path}"], capture_output=True,
+      text=True, cwd=ROOT, env=cached_env, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  found = json.loads((tmp_path / "geometry.json").read_text())
+  assert set(found["cosine"]) == set(DOMAINS)
+  assert (tmp_path / "cosine.png").exists()
+  bad = subprocess.run(
+      [sys.executable, "-m", "mopd_jax.evaluation.geometry", f"--init={base}",
+       f"--experts=add={base}", f"--out={tmp_path / 'x'}"],
+      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert bad.returncode == 2
+  assert bad.stderr.strip().splitlines()[-1] == (
+      "error: --experts: no run for domain 'chain'")
