@@ -24,6 +24,7 @@ from mopd_jax.data import mixture
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.evaluation import headroom
 from mopd_jax.fusion import open_mopd, teachers
+from mopd_jax.models.tokenizer import CharTokenizer
 from mopd_jax.objectives import grpo, opd, policy
 from mopd_jax.ops import vocab
 from mopd_jax.reductions import masked_sum_count
@@ -243,6 +244,16 @@ class MOPD:
       pairs[f"gap/{name}"] = (new_state["gap"]["signal"][d], 1.0)
       pairs[f"loss_weight/{name}"] = (loss_w[d], 1.0)
     return {}, pairs
+
+
+def check(config) -> None:
+  """Every teacher names a run that shares the student's token ids (before
+  anything is written)."""
+  tokenizer = CharTokenizer()
+  for run_dir in teachers.parse_teachers(
+      config.teachers, tuple(config.data.domains)).values():
+    runs.check_same_tokens(run_dir, runs.load_run_config(run_dir), tokenizer,
+                           "teachers")
 
 
 def make_method(config, tokenizer, model_cfg, mesh, sampling):

@@ -350,6 +350,7 @@ def test_cli_teacher_with_another_vocabulary_is_one_line(smoke_run, tmp_path):
   assert result.returncode == 2, result.stderr[-2000:]
   lines = [x for x in result.stderr.splitlines() if x.strip()]
   assert len(lines) == 1 and "vocabulary of 60 tokens" in lines[0], lines
+  assert not (tmp_path / "w").exists()  # checked before anything is written
 
 
 @pytest.mark.parametrize("token_share, power, steers, want", [
