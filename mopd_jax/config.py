@@ -197,6 +197,32 @@ def _merge() -> ml_collections.ConfigDict:
   return c
 
 
+def _study() -> ml_collections.ConfigDict:
+  """Every paradigm on shared artefacts: base, experts, Merge, Mix RL,
+  MOPD, Open-MOPD, then every model evaluated and compared."""
+  c = ml_collections.ConfigDict()
+  c.method = "study"
+  c.seed = 0
+  c.steps = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
+             "evaluate", "report")
+  c.base = ""  # an existing base run to use instead of training one
+  c.experts = ""  # existing expert runs: a {domain} template or pairs
+  c.variant = ""  # the configs' variant every step uses (smoke: "smoke")
+  c.data_dir = ""  # the TFDS directory of every step (empty: its default)
+  c.merge_methods = ("task_arithmetic", "ties", "dare_ties", "breadcrumbs",
+                     "model_stock", "karcher", "sparse_union")
+  c.merge_sweep = True  # lambda/density chosen on validation
+  # per step config, "field=value" strings: overrides.grpo=("train.steps=400",)
+  c.overrides = ml_collections.ConfigDict(
+      {name: () for name in ("pretrain", "grpo", "merge", "mix_rl", "mopd")})
+  c.eval = ml_collections.ConfigDict(dict(num_prompts=480, samples=8))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
+                                          rules="fsdp_tp"))
+  c.distributed = ml_collections.ConfigDict(dict(
+      enabled=False, coordinator_address="", num_processes=0, process_id=-1))
+  return c
+
+
 def _mopd_method() -> ml_collections.ConfigDict:
   c = _on_policy("mopd")
   c.data.domains = TRAIN_DOMAINS
@@ -208,7 +234,7 @@ def _mopd_method() -> ml_collections.ConfigDict:
 # method -> its complete default config
 BUILDERS: dict[str, Callable[[], ml_collections.ConfigDict]] = {
     "pretrain": _pretrain, "grpo": _grpo, "mix_rl": _mix_rl,
-    "mopd": _mopd_method, "merge": _merge}
+    "mopd": _mopd_method, "merge": _merge, "study": _study}
 METHODS = tuple(BUILDERS)
 
 
@@ -370,6 +396,8 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("merge.sweep_densities", lambda v: len(v) > 0 and all(
         0 < d <= 1 for d in v), "a non-empty tuple of values in (0, 1]"),
     ("merge.sweep_prompts", _positive, "> 0"),
+    ("merge_methods", lambda v: set(v) <= set(merge.METHODS),
+     "a tuple of " + ", ".join(merge.METHODS)),
     ("opd.router", lambda v: v == "oracle", "oracle"),
     ("opd.loss", lambda v: v in opd.LOSSES, " or ".join(opd.LOSSES)),
     ("opd.kl_alpha", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -399,6 +427,11 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("mixture.floor", _non_negative, ">= 0"),
     ("mixture.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
 )
+
+
+# Fields a method may leave empty although others must set them: a study
+# trains its experts unless given existing ones.
+_OPTIONAL = {"study": ("experts",)}
 
 
 def _type_ok(default, value) -> bool:
@@ -454,6 +487,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   full = schema
   full.update(config)
   for path, ok, what in _CHECKS:
+    if path in _OPTIONAL.get(full.method, ()):
+      continue
     if _has(full, path) and not ok(_get(full, path)):
       raise ConfigError(f"{path}: must be {what}, got {_get(full, path)!r}")
   if "model" in full and full.model.num_heads % full.model.num_kv_heads:

@@ -6,19 +6,14 @@ Overrides go as ``--config.train.steps=100``. Problems with the user's input
 
 from __future__ import annotations
 
-import importlib
-import os
 import re
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mopd_jax import config as config_lib
-from mopd_jax import parallel
+from mopd_jax import parallel, stages
 from mopd_jax.errors import UserError, fail
-from mopd_jax.runs import (check_resumable, resolve_model,
-                                    save_run_config)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/pretrain.py or"
@@ -26,29 +21,6 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Run directory: checkpoints, metrics, reports.")
 flags.mark_flags_as_required(["config", "workdir"])
-
-# method -> module with ``run(config, workdir)`` (and optionally
-# ``check(config)``, which checks the runs it reads before anything is
-# written)
-STAGES = {"pretrain": "mopd_jax.stages.pretrain", "grpo": "mopd_jax.stages.rl",
-          "mix_rl": "mopd_jax.stages.rl", "mopd": "mopd_jax.stages.mopd",
-          "merge": "mopd_jax.stages.merge"}
-
-
-def prepare_workdir(workdir: str) -> str:
-  """Create ``workdir`` if needed and check that it can be written."""
-  path = os.path.abspath(os.path.expanduser(workdir))
-  try:
-    os.makedirs(path, exist_ok=True)
-    # Per process: the hosts of a multi-host run may share the workdir.
-    probe = os.path.join(path, f".write_test.{jax.process_index()}")
-    with open(probe, "w", encoding="utf-8"):
-      pass
-    os.remove(probe)
-  except OSError as e:
-    raise UserError(f"workdir {path}: not writable ({e.strerror})") from None
-  return path
-
 
 def main(argv) -> None:
   if len(argv) > 1:
@@ -58,15 +30,7 @@ def main(argv) -> None:
     config = config_lib.validate(_load_config())
     # Once per process, before anything touches a device.
     parallel.init_distributed(config.distributed)
-    resolve_model(config)
-    stage = importlib.import_module(STAGES[config.method])
-    if hasattr(stage, "check"):  # the runs it reads, before any writing
-      stage.check(config)
-    workdir = prepare_workdir(_WORKDIR.value)
-    check_resumable(config, workdir)
-    save_run_config(config, workdir)
-    with parallel.use_rules(config.mesh.rules):
-      stage.run(config, workdir)
+    stages.run(config, _WORKDIR.value)
   except UserError as e:
     fail(str(e))
 

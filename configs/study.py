@@ -1,0 +1,26 @@
+"""The fusion study: base, experts, Merge, Mix RL, MOPD and Open-MOPD on
+shared artefacts, every model evaluated, one report.
+
+    python -m mopd_jax.train --config=configs/study.py --workdir=runs/study \
+        [--config.steps='("merge","evaluate","report")'] \
+        [--config.base=runs/base --config.experts='runs/expert_{domain}']
+
+Each step is an ordinary run under the workdir (``base``,
+``expert_<domain>``, ``merge_<method>``, ``mix_rl``, ``mopd``,
+``open_mopd``); a re-run skips finished steps and resumes an interrupted
+one. Writes ``results.json`` and ``report.md`` with figures. Variants:
+``:smoke`` (every step's smoke config; under 2 minutes, for tests).
+"""
+
+from mopd_jax.config import defaults
+
+
+def get_config(variant: str = ""):
+  config = defaults("study")
+  if variant == "smoke":
+    config.variant = "smoke"
+    config.merge_methods = ("task_arithmetic", "ties")
+    config.eval.update(num_prompts=8, samples=2)
+  elif variant:
+    raise ValueError(f"unknown variant {variant!r} of configs/study.py")
+  return config

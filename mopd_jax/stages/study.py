@@ -1,0 +1,305 @@
+"""The fusion study: base -> one expert per training domain -> Merge (each
+of ``merge_methods``, swept on validation) -> Mix RL -> MOPD -> Open-MOPD
+-> evaluation of every model -> report, on shared artefacts.
+
+Every step is an ordinary run in ``<workdir>/<name>`` started in this
+process (``stages.run``), so a re-run skips finished steps (their
+``summary.json`` is there) and resumes an interrupted one exactly as a
+single run does. ``steps`` selects a subset; ``base`` and ``experts`` plug
+in existing runs. The report is ``results.json`` and ``report.md`` with
+figures (``evaluation/report.py``, ``evaluation/study_report.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+
+from mopd_jax import config as config_lib
+from mopd_jax import stages
+from mopd_jax.atomic import write_json_atomic
+from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
+from mopd_jax.errors import ConfigError
+from mopd_jax.evaluate import eval_file_name, evaluate_run
+from mopd_jax.evaluation import headroom, report, study_report
+from mopd_jax.fusion.teachers import parse_teachers
+from mopd_jax.metrics import read_metrics
+from mopd_jax.models.config import ModelConfig
+from mopd_jax.training import SUMMARY_FILE
+
+STEPS = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
+         "evaluate", "report")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs")
+RESULTS_FILE = "results.json"
+
+
+def config_file(name: str, variant: str = ""):
+  """``configs/<name>.py``'s ``get_config(variant)``, as the command line
+  would load it."""
+  spec = importlib.util.spec_from_file_location(
+      f"study_{name}", os.path.join(CONFIGS, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
+def child_config(name: str, variant: str, overrides=(), **fields):
+  """``configs/<name>.py:<variant>`` with ``fields`` set and the
+  ``field=value`` strings of ``overrides`` applied (values read as JSON
+  where they parse, else as strings), validated."""
+  config = config_file(name, variant)
+  for key, value in fields.items():
+    _set(config, key, value)
+  for item in overrides:
+    key, sep, text = item.partition("=")
+    if not sep:
+      raise ConfigError(f"overrides.{name}: {item!r} is not field=value")
+    try:
+      value = json.loads(text)
+    except ValueError:
+      value = text
+    _set(config, key.strip(), tuple(value) if isinstance(value, list)
+         else value)
+  return config_lib.validate(config)
+
+
+def _set(config, dotted: str, value) -> None:
+  *parents, last = dotted.split(".")
+  for part in parents:
+    config = config[part]
+  config[last] = value
+
+
+class Study:
+  """The runs of one study workdir, and the order they are made in."""
+
+  def __init__(self, config, workdir: str):
+    self.config, self.workdir = config, workdir
+    self.domains = tuple(TRAIN_DOMAINS)
+    self.base = config.base or os.path.join(workdir, "base")
+    self.experts = (parse_teachers(config.experts, self.domains, "experts")
+                    if config.experts else
+                    {d: os.path.join(workdir, f"expert_{d}")
+                     for d in self.domains})
+    self.template = ",".join(f"{d}={p}" for d, p in self.experts.items())
+    self.variant = config.variant
+    self.started = time.perf_counter()
+
+  def models(self) -> dict[str, str]:
+    """``{model name: run dir}`` of every model the study compares."""
+    out = {"base": self.base}
+    out.update({f"expert/{d}": p for d, p in self.experts.items()})
+    out.update({f"merge/{m}": os.path.join(self.workdir, f"merge_{m}")
+                for m in self.config.merge_methods})
+    for name in ("mix_rl", "mopd", "open_mopd"):
+      out[name] = os.path.join(self.workdir, name)
+    return out
+
+  def child(self, label: str, name: str, workdir: str, variant: str = "",
+            **fields) -> None:
+    """Train (or resume) one run, unless it is finished."""
+    if os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
+      print(f"study: {label} finished before ({workdir})")
+      return
+    if self.config.data_dir:
+      fields["data.data_dir"] = self.config.data_dir
+    config = child_config(name, variant or self.variant,
+                          self.config.overrides.get(name, ()), **fields)
+    stages.run(config, workdir)
+
+  def progress(self, done: int, total: int, label: str) -> None:
+    elapsed = time.perf_counter() - self.started
+    eta = elapsed / done * (total - done) if done else float("nan")
+    print(f"\nstudy [{done + 1}/{total}] {label}  (elapsed"
+          f" {elapsed / 60:.1f} min" + (f", ETA {eta / 60:.1f} min"
+                                        if done else "") + ")", flush=True)
+
+
+def _tasks(study: Study):
+  """``(step, label, thunk)`` of every run the selected steps make."""
+  c = study.config
+  tasks = []
+  if "base" in c.steps and not c.base:
+    tasks.append(("base", "base", lambda: study.child(
+        "base", "pretrain", study.base, seed=c.seed)))
+  if "experts" in c.steps and not c.experts:
+    for d in study.domains:
+      tasks.append(("experts", f"expert {d}", lambda d=d: study.child(
+          f"expert {d}", "grpo", study.experts[d], domain=d,
+          init=study.base)))
+  if "merge" in c.steps:
+    for m in c.merge_methods:
+      tasks.append(("merge", f"merge {m}", lambda m=m: study.child(
+          f"merge {m}", "merge", study.models()[f"merge/{m}"],
+          init=study.base, experts=study.template,
+          **{"merge.method": m, "merge.sweep": c.merge_sweep})))
+  if "mix_rl" in c.steps:
+    tasks.append(("mix_rl", "Mix RL", lambda: study.child(
+        "Mix RL", "mix_rl", study.models()["mix_rl"], init=study.base)))
+  for name in ("mopd", "open_mopd"):
+    if name in c.steps:
+      fields = dict(init=study.base, teachers=study.template)
+      if name == "open_mopd":  # the :open variant's mechanisms
+        fields.update({f"open_mopd.{k}": v for k, v in
+                       config_file("mopd", "open").open_mopd.items()})
+      tasks.append((name, name, lambda n=name, f=fields: study.child(
+          n, "mopd", study.models()[n], **f)))
+  if "evaluate" in c.steps:
+    for model, run_dir in study.models().items():
+      tasks.append(("evaluate", f"evaluate {model}",
+                    lambda r=run_dir: _evaluate(study, r)))
+  if "report" in c.steps:
+    tasks.append(("report", "report", lambda: write_results(study)))
+  return tasks
+
+
+def _evaluate(study: Study, run_dir: str) -> None:
+  c = study.config.eval
+  if os.path.exists(os.path.join(run_dir, eval_file_name(c.num_prompts))):
+    return
+  evaluate_run(run_dir, c.num_prompts, list(DOMAINS), samples=c.samples)
+
+
+def run(config, workdir: str):
+  """Run the selected steps in order; returns the results (or None
+  without the report step)."""
+  study = Study(config, workdir)
+  tasks = _tasks(study)
+  for i, (_, label, thunk) in enumerate(tasks):
+    study.progress(i, len(tasks), label)
+    thunk()
+  path = os.path.join(workdir, RESULTS_FILE)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  return None
+
+
+def _run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
+  """Tokens and estimated FLOPs of a run from its metrics and config:
+  sampled tokens (``rl.prompts_per_step x rl.group_size x`` the mean
+  response length, per step), teacher-scored tokens (MOPD: the sampled
+  ones), trained tokens (``x rl.epochs``; pretraining: the packed rows),
+  training wall time (steps / steps_per_sec); FLOPs ``2 P`` per sampled or
+  scored token and ``6 P`` per trained token, ``P`` parameters."""
+  model = config_json.get("model", {})
+  params = ModelConfig(**model).num_params() if model else 0
+  records = read_metrics(run_dir) if os.path.exists(
+      os.path.join(run_dir, "metrics.jsonl")) else []
+  sampled = trained = wall = 0.0
+  last = 0
+  for r in records:
+    if "steps_per_sec" not in r:
+      continue
+    steps = r["step"] - last
+    last = r["step"]
+    wall += steps / max(r["steps_per_sec"], 1e-9)
+    if "response_length" in r:
+      batch = (config_json["rl"]["prompts_per_step"]
+               * config_json["rl"]["group_size"])
+      sampled += steps * batch * r["response_length"]
+      trained += steps * batch * r["response_length"] * config_json["rl"][
+          "epochs"]
+    elif "train" in config_json and "batch_size" in config_json["train"]:
+      length = (config_json["data"]["max_prompt_len"]
+                + config_json["sampling"]["max_new_tokens"])
+      trained += steps * config_json["train"]["batch_size"] * length
+  scored = sampled if config_json.get("method") == "mopd" else 0.0
+  cost = dict(tokens_sampled=sampled, tokens_teacher_scored=scored,
+              tokens_trained=trained, wall_seconds=wall,
+              flops=2 * params * (sampled + scored) + 6 * params * trained)
+  if experts_cost:
+    cost["with_experts"] = {k: cost[k] + experts_cost[k] for k in cost
+                            if k in experts_cost}
+  return cost
+
+
+def write_results(study: Study) -> dict:
+  """``results.json`` and ``report.md`` (+ figures) from every model's
+  evaluation on the study's prompts."""
+  c = study.config.eval
+  name = eval_file_name(c.num_prompts)
+  scalars, configs = {}, {}
+  for model, run_dir in study.models().items():
+    path = os.path.join(run_dir, name)
+    if not os.path.exists(path):
+      print(f"study: {model} has no {name}; left out of the report")
+      continue
+    with open(path, encoding="utf-8") as f:
+      scalars[model] = json.load(f)
+    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+      configs[model] = json.load(f)
+  if "base" not in scalars or any(f"expert/{d}" not in scalars
+                                  for d in study.domains):
+    raise ConfigError("study: the report needs the base and every expert"
+                      " evaluated (steps evaluate)")
+  base = {m: headroom.accuracies(scalars["base"], m) for m in report.MODES}
+  experts = {d: {m: headroom.accuracies(scalars[f"expert/{d}"], m)
+                 for m in report.MODES} for d in study.domains}
+  oracle = {m: {d: experts[d][m][d] for d in study.domains}
+            for m in report.MODES}
+  expert_costs = [_run_cost(study.experts[d], configs[f"expert/{d}"])
+                  for d in study.domains]
+  experts_total = {k: sum(cst[k] for cst in expert_costs)
+                   for k in expert_costs[0]}
+  oracle_scalars = {}
+  for d in study.domains:
+    for key, value in scalars[f"expert/{d}"].items():
+      if f"/{d}/" in key or key.endswith(f"/{d}"):
+        oracle_scalars[key] = value
+  entries = {}
+  for model, found in {**scalars, "oracle": oracle_scalars}.items():
+    needs = model.startswith(("merge/", "mopd", "open_mopd"))
+    run_dir = study.models().get(model)
+    cost = (_run_cost(run_dir, configs[model],
+                      experts_total if needs else None)
+            if run_dir and model in configs else {})
+    entries[model] = report.model_entry(
+        found, base, oracle, study.domains, HELD_OUT_DOMAINS, c.num_prompts,
+        cost)
+  geometry_path = next((os.path.join(study.models()[f"merge/{m}"],
+                                     "geometry.json")
+                        for m in study.config.merge_methods
+                        if os.path.exists(os.path.join(
+                            study.models()[f"merge/{m}"], "geometry.json"))),
+                       None)
+  task_vectors = {}
+  if geometry_path:
+    with open(geometry_path, encoding="utf-8") as f:
+      task_vectors = json.load(f)
+  results = dict(
+      domains=list(study.domains), held_out=list(HELD_OUT_DOMAINS),
+      eval=dict(num_prompts=c.num_prompts, samples=c.samples),
+      methods=entries,
+      transfer=report.transfer({d: experts[d]["greedy"]
+                                for d in study.domains}, base["greedy"],
+                               list(DOMAINS)),
+      task_vectors=task_vectors)
+  results["recommendation"] = report.recommendation(results)
+  write_json_atomic(os.path.join(study.workdir, RESULTS_FILE), results)
+  curves = {name: study_report.accuracy_curves(study.models()[name])
+            for name in ("mix_rl", "mopd", "open_mopd")
+            if os.path.exists(os.path.join(study.models()[name],
+                                           "metrics.jsonl"))}
+  study_report.write(study.workdir, results, curves)
+  print(f"study: wrote {os.path.join(study.workdir, RESULTS_FILE)} and"
+        " report.md\n" + results["recommendation"]["text"])
+  return results
+
+
+def check(config) -> None:
+  """Plugged-in runs exist before anything is written."""
+  if config.base and not os.path.isdir(os.path.expanduser(config.base)):
+    raise ConfigError(f"base: {config.base} is not a run directory")
+  if config.experts:
+    for run_dir in parse_teachers(config.experts, tuple(TRAIN_DOMAINS),
+                                  "experts").values():
+      if not os.path.isdir(os.path.expanduser(run_dir)):
+        raise ConfigError(f"experts: {run_dir} is not a run directory")
+  bad = [s for s in config.steps if s not in STEPS]
+  if bad:
+    raise ConfigError(f"steps: unknown step {bad[0]!r}; known: "
+                      + ", ".join(STEPS))

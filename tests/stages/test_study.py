@@ -1,0 +1,130 @@
+"""The fusion study: the smoke study end to end (schema, report, figures,
+cached re-run), and each new statistic against hand-computed values."""
+
+import json
+import math
+
+import pytest
+
+from conftest import ROOT, train_cli
+from mopd_jax.evaluation import report
+
+MODELS = ("base", "expert/add", "expert/chain", "expert/instruct",
+          "expert/sort", "merge/task_arithmetic", "merge/ties", "mix_rl",
+          "mopd", "open_mopd", "oracle")
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory, data_dir, cached_env):
+  workdir = tmp_path_factory.mktemp("study") / "run"
+  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
+                     f"--workdir={workdir}",
+                     f"--config.data_dir={data_dir}", env=cached_env,
+                     timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir, result
+
+
+def test_smoke_study_writes_the_results_schema(study):
+  workdir, result = study
+  results = json.loads((workdir / "results.json").read_text())
+  assert results["domains"] == ["add", "chain", "instruct", "sort"]
+  assert results["held_out"] == ["reverse"]
+  assert set(results["methods"]) == set(MODELS)
+  for name, entry in results["methods"].items():
+    for key in ("accuracy", "pass_at_k", "headroom_recovery", "retention",
+                "cost", "stderr", "sampled_accuracy"):
+      assert key in entry, (name, key)
+    assert set(entry["accuracy"]) >= set(results["domains"])
+    # smoke models answer nothing: no headroom anywhere, so null, not 0
+    assert entry["headroom_recovery"]["mean"] is None
+    assert entry["pass_at_k"]["add"] and set(entry["pass_at_k"]["add"]) == {
+        "1", "2"}
+  assert results["methods"]["mopd"]["cost"]["tokens_teacher_scored"] > 0
+  assert "with_experts" in results["methods"]["merge/ties"]["cost"]
+  cosine = results["task_vectors"]["cosine"]
+  assert set(cosine) == set(results["domains"])
+  assert set(results["transfer"]["add"]) == {"add", "chain", "instruct",
+                                             "sort", "reverse"}
+  assert results["recommendation"]["text"]
+  assert "study [1/21] base" in result.stdout
+
+
+def test_report_and_figures(study):
+  workdir, _ = study
+  text = (workdir / "report.md").read_text()
+  for section in ("# Fusion study", "## Recommendation",
+                  "## Between paradigms", "## Coverage (pass@k)",
+                  "## Geometry and transfer", "## Training dynamics",
+                  "## Cost"):
+    assert section in text, section
+  for png in ("accuracy.png", "pass_at_k.png", "geometry_transfer.png",
+              "dynamics.png"):
+    assert (workdir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert f"({png})" in text
+
+
+def test_rerun_skips_finished_steps(study, data_dir, cached_env):
+  workdir, _ = study
+  before = (workdir / "results.json").read_text()
+  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
+                     f"--workdir={workdir}",
+                     f"--config.data_dir={data_dir}", env=cached_env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.count("finished before") == 10  # every run
+  assert (workdir / "results.json").read_text() == before
+
+
+def test_bad_step_and_missing_base_are_one_line(tmp_path):
+  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
+                     f"--workdir={tmp_path / 'w'}",
+                     "--config.steps=('base','distil')")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: steps: unknown step 'distil'; known: base, experts, merge,"
+      " mix_rl, mopd, open_mopd, evaluate, report")
+  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
+                     f"--workdir={tmp_path / 'w'}",
+                     f"--config.base={tmp_path / 'none'}")
+  assert result.returncode == 2 and "base:" in result.stderr.splitlines()[-1]
+  assert not (tmp_path / "w").exists()
+
+
+def test_standard_error_recovery_retention_transfer_by_hand():
+  assert report.standard_error(0.5, 100) == pytest.approx(0.05)
+  assert report.standard_error(0.0, 100) == 0.0
+  # add: (0.6 - 0.4) / (0.8 - 0.4) = 0.5; chain: oracle below base -> None
+  got = report.recovery({"add": 0.6, "chain": 0.5}, {"add": 0.4,
+                                                     "chain": 0.5},
+                        {"add": 0.8, "chain": 0.45}, ["add", "chain"])
+  assert got == {"add": pytest.approx(0.5), "chain": None,
+                 "mean": pytest.approx(0.5)}
+  assert report.recovery({"a": 0.1}, {"a": 0.2}, {"a": 0.2}, ["a"]) == {
+      "a": None, "mean": None}
+  assert report.retention({"reverse": 0.7, "add": 0.9}, {"reverse": 0.95},
+                          ["reverse"]) == {"reverse": pytest.approx(-0.25)}
+  t = report.transfer({"add": {"add": 0.9, "sort": 0.1}},
+                      {"add": 0.5, "sort": 0.4}, ["add", "sort"])
+  assert t == {"add": {"add": pytest.approx(0.4),
+                       "sort": pytest.approx(-0.3)}}
+  assert report.pass_at_k_of({"eval/pass@2/add": 0.5, "eval/pass@1/add":
+                              0.25, "eval/greedy/add/accuracy": 1.0}) == {
+                                  "add": {1: 0.25, 2: 0.5}}
+  assert math.isclose(report.mean_over({"a": 0.2, "b": 0.4}, ["a", "b"]),
+                      0.3)
+
+
+def test_recommendation_names_the_best_of_each_paradigm():
+  def entry(add, sort, flops):
+    return dict(accuracy={"add": add, "sort": sort},
+                cost={"flops": flops, "with_experts": {"flops": flops}})
+  results = dict(domains=["add", "sort"], methods={
+      "merge/ties": entry(0.6, 0.5, 10.0),
+      "merge/task_arithmetic": entry(0.5, 0.5, 10.0),
+      "mix_rl": entry(0.7, 0.3, 50.0), "mopd": entry(0.8, 0.6, 100.0)})
+  rec = report.recommendation(results)
+  assert rec["best"]["merge"]["model"] == "merge/ties"
+  assert rec["winners"] == {"add": "mopd", "sort": "mopd"}
+  assert "mopd (mopd, 70.0%)" in rec["text"]
+  assert "Merge costs 0.10x MOPD's compute" in rec["text"]
+  assert "MOPD wins 2 of 2 domains" in rec["text"]
