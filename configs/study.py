@@ -19,7 +19,7 @@ def get_config(variant: str = ""):
   config = defaults("study")
   if variant == "smoke":
     config.variant = "smoke"
-    config.merge_methods = ("task_arithmetic", "ties")
+    config.merge_methods = ("ties",)
     config.eval.update(num_prompts=8, samples=2)
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/study.py")

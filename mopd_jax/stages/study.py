@@ -34,6 +34,7 @@ STEPS = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs")
 RESULTS_FILE = "results.json"
+EVALUATIONS = "evaluations"
 
 
 def config_file(name: str, variant: str = ""):
@@ -150,17 +151,26 @@ def _tasks(study: Study):
   if "evaluate" in c.steps:
     for model, run_dir in study.models().items():
       tasks.append(("evaluate", f"evaluate {model}",
-                    lambda r=run_dir: _evaluate(study, r)))
+                    lambda m=model, r=run_dir: _evaluate(study, m, r)))
   if "report" in c.steps:
     tasks.append(("report", "report", lambda: write_results(study)))
   return tasks
 
 
-def _evaluate(study: Study, run_dir: str) -> None:
+def evaluation_path(study: Study, model: str) -> str:
+  """Where the study keeps ``model``'s evaluation (in the study's workdir,
+  so that plugged-in runs are only read)."""
+  return os.path.join(study.workdir, EVALUATIONS, model.replace("/", "_")
+                      + "_" + eval_file_name(study.config.eval.num_prompts))
+
+
+def _evaluate(study: Study, model: str, run_dir: str) -> None:
   c = study.config.eval
-  if os.path.exists(os.path.join(run_dir, eval_file_name(c.num_prompts))):
-    return
-  evaluate_run(run_dir, c.num_prompts, list(DOMAINS), samples=c.samples)
+  path = evaluation_path(study, model)
+  if not os.path.exists(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    evaluate_run(run_dir, c.num_prompts, list(DOMAINS), output=path,
+                 samples=c.samples)
 
 
 def run(config, workdir: str):
@@ -221,12 +231,12 @@ def write_results(study: Study) -> dict:
   """``results.json`` and ``report.md`` (+ figures) from every model's
   evaluation on the study's prompts."""
   c = study.config.eval
-  name = eval_file_name(c.num_prompts)
   scalars, configs = {}, {}
   for model, run_dir in study.models().items():
-    path = os.path.join(run_dir, name)
+    path = evaluation_path(study, model)
     if not os.path.exists(path):
-      print(f"study: {model} has no {name}; left out of the report")
+      print(f"study: {model} has no evaluation ({path}); left out of the"
+            " report")
       continue
     with open(path, encoding="utf-8") as f:
       scalars[model] = json.load(f)
