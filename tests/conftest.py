@@ -75,3 +75,24 @@ def smoke_run(tmp_path_factory, data_dir, cached_env):
                           env=cached_env)
   assert result.returncode == 0, result.stderr[-3000:]
   return workdir, cmd, result
+
+
+def run_notebook(name: str, workdir) -> dict:
+  """Execute ``colabs/<name>`` headless on ``workdir`` (its first code cell,
+  which names the workdir, replaced); returns the notebook's variables."""
+  import json
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  notebook = json.load(open(os.path.join(ROOT, "colabs", name)))
+  scope = {}
+  for cell in notebook["cells"]:
+    if cell["cell_type"] == "code":
+      source = "".join(cell["source"])
+      if source.startswith("# In Colab"):
+        scope["WORKDIR"] = str(workdir)
+        continue
+      exec(compile(source, name, "exec"), scope)  # noqa: S102
+      plt.close("all")
+  return scope
+

@@ -9,10 +9,9 @@ import os
 import shutil
 import subprocess
 
-import matplotlib
 import pytest
 
-from conftest import ROOT, pretrain_smoke_command, train_cli
+from conftest import ROOT, pretrain_smoke_command, run_notebook, train_cli
 
 
 def test_pretrain_smoke_writes_everything(smoke_run):
@@ -40,18 +39,8 @@ def test_rerun_resumes_from_latest_checkpoint(smoke_run):
 
 
 def test_colab_notebook_runs_on_the_workdir(smoke_run, monkeypatch):
-  matplotlib.use("Agg")
   monkeypatch.setattr("matplotlib.pyplot.show", lambda: None)
-  notebook = json.load(open(os.path.join(ROOT, "colabs",
-                                         "inspect_run.ipynb")))
-  scope = {}
-  for cell in notebook["cells"]:
-    if cell["cell_type"] == "code":
-      source = "".join(cell["source"])
-      if source.startswith("# In Colab"):
-        scope["WORKDIR"] = str(smoke_run[0])
-        continue
-      exec(compile(source, "inspect_run.ipynb", "exec"), scope)  # noqa: S102
+  scope = run_notebook("inspect_run.ipynb", smoke_run[0])
   assert len(scope["train"]) == 2 and len(scope["evals"]) == 2
   assert ("greedy", "add") in scope["series"]
 

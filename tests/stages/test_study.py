@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import ROOT, train_cli
+from conftest import ROOT, run_notebook, train_cli
 from mopd_jax.evaluation import report
 
 MODELS = ("base", "expert/add", "expert/chain", "expert/instruct",
@@ -66,6 +66,14 @@ def test_report_and_figures(study):
               "dynamics.png"):
     assert (workdir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     assert f"({png})" in text
+
+
+def test_fusion_study_notebook_runs_on_the_study(study, monkeypatch):
+  workdir, _ = study
+  monkeypatch.setattr("matplotlib.pyplot.show", lambda: None)
+  scope = run_notebook("fusion_study.ipynb", workdir)
+  assert set(scope["rows"]) == set(MODELS)
+  assert set(scope["curves"]) == {"mix_rl", "mopd", "open_mopd"}
 
 
 def test_rerun_skips_finished_steps(study, data_dir, cached_env, smoke_run):
