@@ -313,7 +313,7 @@ def _non_negative(v):
 
 # (dotted field, predicate, what it must be)
 _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("seed", _non_negative, ">= 0"),
+    ("seed", lambda v: 0 <= v < 2**31, "in [0, 2^31)"),
     ("model.vocab_size", _positive, "> 0"),
     ("model.embed_dim", _positive, "> 0"),
     ("model.num_layers", _positive, "> 0"),
@@ -333,7 +333,8 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data.weights", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
     ("data.train_examples", _positive, "> 0"),
-    ("data.test_examples", _positive, "> 0"),
+    ("data.test_examples", lambda v: 0 < v <= 10_000,
+     "in [1, 10000] (prompts per held-out split)"),
     ("data.max_prompt_len", _positive, "> 0"),
     ("train.steps", _positive, "> 0"),
     ("train.batch_size", _positive, "> 0"),
@@ -344,7 +345,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("select.ceiling", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("select.num_prompts", _positive, "> 0"),
     ("select.hold_weight", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("optim.learning_rate", _positive, "> 0"),
+    ("optim.learning_rate", lambda v: 0 < v <= 1, "in (0, 1] (AdamW)"),
     ("optim.warmup_steps", _non_negative, ">= 0"),
     ("optim.end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("optim.decay_steps", _non_negative, ">= 0 (0: the whole run)"),

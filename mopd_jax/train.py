@@ -38,6 +38,9 @@ def main(argv) -> None:
 def _flag_error(error: Exception, argv) -> str:
   """One line for an exception raised while parsing flags and overrides."""
   text = str(error)
+  if "attribute 'get_config'" in text:
+    return ("--config: the config file defines no get_config(variant)"
+            " function")
   if isinstance(error, (AttributeError, KeyError)):  # unknown config field
     field = re.search(r"[A-Za-z_][A-Za-z0-9_]*", text)
     field = field.group() if field else "?"

@@ -96,17 +96,21 @@ def init_state(params, optimizer: optax.GradientTransformation) -> dict:
 
 def guarded_update(optimizer: optax.GradientTransformation, loss, grads,
                    params, opt_state):
-  """One optimiser step, taken only when the loss and the gradients are finite.
+  """One optimiser step, taken only when the loss, the gradients and the
+  update are finite.
 
-  ``ok = isfinite(loss) & isfinite(||grads||_2)``. Returns
+  ``ok = isfinite(loss) & isfinite(||grads||_2) & isfinite(||update||_2)``
+  (the last catches a finite gradient turned non-finite by the optimiser,
+  e.g. an overflowing learning rate). Returns
   ``(params', opt_state', skipped)``: the usual update when ``ok``, the
   inputs unchanged otherwise (a NaN never reaches the weights or the
   optimiser's moments), and ``skipped = 1 - ok`` as float32, which the step
   reports as the pair ``(skipped, 1)`` under ``SKIPPED``. Jittable: the
   choice is a select per leaf, on the device.
   """
-  ok = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
   updates, new_opt_state = optimizer.update(grads, opt_state, params)
+  ok = (jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
+        & jnp.isfinite(optax.global_norm(updates)))
   new_params = jax.tree.map(jnp.add, params, updates)
 
   def keep(new, old):

@@ -38,6 +38,13 @@ def test_defaults_validate_and_fill_missing_fields():
     (lambda c: c.model.__setattr__("head_dim", 15), "model.head_dim"),
     (lambda c: c.data.__setattr__("weights", (1.0, 2.0)), "data.weights"),
     (lambda c: c.__setattr__("method", "magic"), "method"),
+    (lambda c: c.__setattr__("seed", 2**70), "seed"),
+    (lambda c: c.optim.__setattr__("learning_rate", float("inf")),
+     "optim.learning_rate"),
+    (lambda c: c.optim.__setattr__("learning_rate", 1e39),
+     "optim.learning_rate"),
+    (lambda c: c.data.__setattr__("test_examples", 100_000_000),
+     "data.test_examples"),
 ])
 def test_bad_field_is_named(mutate, field):
   cfg = _smoke()
@@ -61,6 +68,7 @@ def test_wrong_type_is_named():
     ("--config.train.steps=abc", "steps"),
     ("--config.train.steps=0", "train.steps"),
     ("--config.data.domains=('add','poetry')", "poetry"),
+    ("--config.seed=99999999999999999999", "seed: must be in [0, 2^31)"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, override, needle):
   result = train_cli(f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}",
@@ -85,6 +93,19 @@ def test_cli_unknown_config_variant(tmp_path):
   assert result.stderr.strip() == (
       f"error: flag --config={ROOT}/configs/mopd.py:opne: ValueError: unknown"
       " variant 'opne' of configs/mopd.py")
+
+
+def test_cli_empty_workdir_and_config_without_get_config(tmp_path):
+  result = train_cli(f"--config={SMOKE}", "--workdir=")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: workdir: empty; name the run directory")
+  bare = tmp_path / "bare.py"
+  bare.write_text("X = 1\n")
+  result = train_cli(f"--config={bare}", f"--workdir={tmp_path / 'w'}")
+  assert result.returncode == 2
+  assert result.stderr.strip() == ("error: --config: the config file defines"
+                                   " no get_config(variant) function")
 
 
 def test_cli_unwritable_workdir(tmp_path):

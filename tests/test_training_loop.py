@@ -117,6 +117,20 @@ def test_guarded_update_skips_non_finite_loss_or_gradients():
   np.testing.assert_allclose(new_params["w"], 0.9, rtol=1e-5)  # Adam eps
 
 
+def test_guarded_update_skips_a_finite_gradient_turned_non_finite():
+  """A learning rate that overflows the update (inf x 1): finite loss and
+  gradient, non-finite update; skipped, nothing changed."""
+  optimizer = optax.sgd(np.float32(np.inf))
+  params = {"w": jnp.ones(3)}
+  opt_state = optimizer.init(params)
+  new_params, _, skipped = jax.jit(functools.partial(
+      training.guarded_update, optimizer))(jnp.float32(1.0),
+                                           {"w": jnp.ones(3)}, params,
+                                           opt_state)
+  assert float(skipped) == 1.0
+  np.testing.assert_array_equal(new_params["w"], np.ones(3))
+
+
 def _sgd_step(bad_steps):
   """SGD on ``x`` with gradient 1, and a NaN loss and gradient on
   ``bad_steps``, through the guarded update."""

@@ -44,6 +44,10 @@ def parse_teachers(spec: str, domains, field: str = "teachers"
   for d in domains:
     if d not in dirs:
       raise ConfigError(f"{field}: no run for domain {d!r}")
+  unknown = sorted(set(dirs) - set(domains))
+  if unknown:
+    raise ConfigError(f"{field}: {unknown[0]!r} is not one of the domains"
+                      f" {', '.join(domains)}")
   return {d: dirs[d] for d in domains}
 
 

@@ -23,6 +23,8 @@ STAGES = {"pretrain": "mopd_jax.stages.pretrain", "grpo": "mopd_jax.stages.rl",
 
 def prepare_workdir(workdir: str) -> str:
   """Create ``workdir`` if needed and check that it can be written."""
+  if not workdir.strip():
+    raise UserError("workdir: empty; name the run directory")
   path = os.path.abspath(os.path.expanduser(workdir))
   try:
     os.makedirs(path, exist_ok=True)

@@ -23,6 +23,8 @@ def test_parse_teachers_template_and_pairs():
     teachers.parse_teachers("add=a,chain=b", DOMAINS)
   with pytest.raises(ConfigError, match="not domain=run_dir"):
     teachers.parse_teachers("add=a,chain,sort=c", DOMAINS)
+  with pytest.raises(ConfigError, match="'math' is not one of the domains"):
+    teachers.parse_teachers("add=a,chain=b,sort=c,math=d", DOMAINS)
 
 
 def test_oracle_router_sends_each_sample_to_its_domain_teacher():
