@@ -16,9 +16,9 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
+from mopd_jax import config as config_lib
 from mopd_jax.models import decoder
 from mopd_jax.models.config import PRESETS, ModelConfig
 from mopd_jax.objectives.sft import sft_loss
@@ -47,10 +47,8 @@ def train_flops_per_token(cfg: ModelConfig, length: int) -> float:
 
 
 def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float):
-  optim = ml_collections.ConfigDict(dict(
-      learning_rate=1e-3, warmup_steps=10, end_lr_fraction=0.1,
-      weight_decay=0.0, b1=0.9, b2=0.95, grad_clip=1.0))
-  optimizer = make_optimizer(optim, 1000)
+  # The base model's optimiser section itself, so that it cannot drift.
+  optimizer = make_optimizer(config_lib.defaults("pretrain").optim, 1000)
   state = init_state(decoder.init_params(cfg, jax.random.key(0)), optimizer)
   rng = np.random.default_rng(0)
   batch = dict(tokens=rng.integers(3, cfg.vocab_size, (rows, length),
@@ -113,11 +111,13 @@ def main():
   parser.add_argument("--decode_batch", type=int, default=128)
   parser.add_argument("--prompt_len", type=int, default=24)
   parser.add_argument("--new_tokens", type=int, default=48)
+  parser.add_argument("--peak_size", type=int, default=2048,
+                      help="side of the matmul that measures the peak")
   args = parser.parse_args()
   cfg = PRESETS[args.preset]
   print(f"backend={jax.default_backend()} devices={jax.device_count()}"
         f" preset={args.preset} params={cfg.num_params():,}")
-  peak = matmul_peak()
+  peak = matmul_peak(args.peak_size)
   tok_s, flops, mfu = bench_train(cfg, args.rows, args.length, peak)
   print(f"matmul peak             {peak / 1e9:10.1f} GFLOP/s")
   print(f"train step              {tok_s:10.0f} tokens/s"

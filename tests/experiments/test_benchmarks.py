@@ -1,0 +1,29 @@
+"""Every benchmark script runs end to end on tiny shapes (so none can rot
+unseen: bench_step broke once on a hand-made optimiser config), printing
+its ratios."""
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def _run(script, *args):
+  return subprocess.run([sys.executable, f"{ROOT}/experiments/{script}",
+                         *args], capture_output=True, text=True, cwd=ROOT,
+                        timeout=300)
+
+
+def test_bench_step_smoke():
+  result = _run("bench_step.py", "--preset=micro", "--rows=2", "--length=8",
+                "--decode_batch=2", "--prompt_len=4", "--new_tokens=2",
+                "--peak_size=64")
+  assert result.returncode == 0, result.stderr[-3000:]
+  for line in ("train step", "decode, KV cache", "cache speed-up"):
+    assert line in result.stdout, line
+
+
+def test_bench_ops_smoke():
+  result = _run("bench_ops.py", "--n=64", "--d=16", "--v=128", "--repeats=1")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "max rel err" in result.stdout and '"memory_ratio"' in result.stdout
