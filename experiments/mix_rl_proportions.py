@@ -1,12 +1,13 @@
 """Mix RL's domain proportions: how each domain's result moves with them.
 
     python experiments/mix_rl_proportions.py --base=runs/base \
-        --out=runs/proportions [--boost=3] [--variant=smoke] \
-        [--eval_prompts=480] [-- field=value ...]
+        --out=runs/proportions [--boost=3] [--domains=add,chain,...] \
+        [--variant=smoke] [--eval_prompts=480] [-- field=value ...]
 
 Runs Mix RL from ``--base`` once with uniform proportions and once per
 training domain with that domain's weight multiplied by ``--boost``
-(``<out>/uniform``, ``<out>/boost_<domain>``; ordinary runs, so re-running
+(``<out>/uniform``, ``<out>/boost_<domain>`` for each of ``--domains``,
+all training domains by default; ordinary runs, so re-running
 skips finished ones; ``field=value`` arguments after ``--`` go to every
 run's config). Each is evaluated on ``--eval_prompts`` test prompts per
 domain, then ``<out>/proportions.md``, ``.json`` and ``.png``: every
@@ -33,10 +34,13 @@ from mopd_jax.stages.study import child_config
 from mopd_jax.training import SUMMARY_FILE
 
 
-def mixtures(boost: float) -> dict[str, tuple[float, ...]]:
-  """``{run name: data.weights}``: uniform, then each domain boosted."""
+def mixtures(boost: float, boosted=TRAIN_DOMAINS
+             ) -> dict[str, tuple[float, ...]]:
+  """``{run name: data.weights}``: uniform, then each of ``boosted``."""
   out = {"uniform": (1.0,) * len(TRAIN_DOMAINS)}
   for i, d in enumerate(TRAIN_DOMAINS):
+    if d not in boosted:
+      continue
     out[f"boost_{d}"] = tuple(boost if j == i else 1.0
                               for j in range(len(TRAIN_DOMAINS)))
   return out
@@ -51,7 +55,7 @@ def sweep(args, overrides) -> dict:
   """Train and evaluate every mixture; ``{name: {weights, shares,
   accuracy: {mode: {domain: acc}}}}``."""
   found = {}
-  for name, weights in mixtures(args.boost).items():
+  for name, weights in mixtures(args.boost, args.domains).items():
     workdir = os.path.join(args.out, name)
     if not os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
       config = child_config("mix_rl", args.variant, overrides,
@@ -99,6 +103,8 @@ def main() -> None:
   parser.add_argument("--base", required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--boost", type=float, default=3.0)
+  parser.add_argument("--domains", default=",".join(TRAIN_DOMAINS),
+                      type=lambda v: tuple(v.split(",")))
   parser.add_argument("--variant", default="")
   parser.add_argument("--eval_prompts", type=int, default=480)
   argv, overrides = sys.argv[1:], []
@@ -109,6 +115,9 @@ def main() -> None:
   try:
     if args.boost <= 0:
       raise UserError(f"--boost: {args.boost} must be > 0")
+    unknown = sorted(set(args.domains) - set(TRAIN_DOMAINS))
+    if unknown:
+      raise UserError(f"--domains: {unknown[0]!r} is not a training domain")
     found = sweep(args, overrides)
   except UserError as e:
     fail(str(e))
