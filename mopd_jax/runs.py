@@ -95,9 +95,13 @@ def check_resumable(config, workdir: str) -> None:
   model and tokenizer; anything else is a ``CheckpointError`` naming the
   first difference, raised before config.json or a checkpoint is touched."""
   ckpt = os.path.join(workdir, "ckpt")
-  if not (os.path.isdir(ckpt) and os.listdir(ckpt)) or not os.path.exists(
-      os.path.join(workdir, CONFIG_FILE)):
+  if not (os.path.isdir(ckpt) and os.listdir(ckpt)):
     return
+  if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    # config.json comes before any checkpoint: these are not a run of ours.
+    raise CheckpointError(
+        f"{workdir} holds checkpoints but no {CONFIG_FILE}, so they cannot"
+        " be checked against this run; use a new workdir")
   saved = load_run_config(workdir).to_dict()
   # Compared as JSON, the form config.json holds (tuples become lists).
   ours = json.loads(json.dumps(

@@ -73,6 +73,25 @@ def test_resuming_with_another_model_is_refused(smoke_run, tmp_path,
   assert _snapshot(run) == before  # config.json and checkpoints untouched
 
 
+def test_checkpoints_without_config_json_are_refused_untouched(
+    smoke_run, tmp_path, cached_env):
+  """A GRPO command on checkpoints that lost their config.json: refused
+  before it writes a config.json of its own (which would then lock the
+  original command out)."""
+  run = tmp_path / "run"
+  shutil.copytree(smoke_run[0], run)
+  os.remove(run / "config.json")
+  before = _snapshot(run)
+  result = train_cli(f"--config={ROOT}/configs/grpo.py:smoke",
+                     f"--workdir={run}", f"--config.init={smoke_run[0]}",
+                     env=cached_env)
+  line = _one_line_error(result)
+  assert line == (f"error: {run} holds checkpoints but no config.json, so"
+                  " they cannot be checked against this run; use a new"
+                  " workdir")
+  assert _snapshot(run) == before
+
+
 @pytest.mark.parametrize("change, needle", [
     ({"model": {"vocab_size": 100}}, "init: {init} has a vocabulary of 100"),
     ({"tokenizer": "char:0123456789abcdef"}, "init: {init} was trained with"
