@@ -10,10 +10,16 @@ Layout: ``<workdir>/ckpt/<step>/default`` holds the train-state pytree and
   ignores the leftovers of a killed save and removes them (in the
   background, before its first save).
 * Steps beyond ``keep`` are deleted only after a newer step is complete.
+* Every checkpoint records the sha256 of its parameters (``loop`` item,
+  ``params_sha256``), verified on restore, so that silent damage (a
+  flipped bit) is caught like a read error.
 * Restoring takes the newest step that reads back. An unreadable one
-  (truncated, garbled or missing files) is reported in one warning line,
-  moved to ``<workdir>/ckpt_corrupt/`` (so that its step can be saved again)
-  and the step before it is tried.
+  (truncated, garbled or missing files, or parameters that do not match
+  their checksum) is reported in one warning line, moved to
+  ``<workdir>/ckpt_corrupt/`` (so that its step can be saved again) and the
+  step before it is tried. Another run reading this one's parameters
+  (``load_params``: init, teacher, expert, evaluation) takes only the final
+  checkpoint, and a damaged one is a ``CheckpointError``.
 * A readable checkpoint of another shape (another model or method) is a
   ``CheckpointError`` naming the first mismatching array, never a fallback.
 """
@@ -31,7 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from mopd_jax.checksum import named_leaves
+from mopd_jax.checksum import named_leaves, tree_checksum
 from mopd_jax.errors import CheckpointError
 
 # Item names; "default" is where single-item checkpoints of earlier versions
@@ -39,9 +45,7 @@ from mopd_jax.errors import CheckpointError
 STATE, LOOP = "default", "loop"
 CORRUPT_DIR = "ckpt_corrupt"
 
-# What reading a damaged checkpoint raises: tensorstore and JSON decoding
-# errors are ValueErrors, missing files OSErrors, a missing item a KeyError.
-_UNREADABLE = (OSError, ValueError, KeyError)
+CHECKSUM = "params_sha256"
 
 
 def _manager(directory: str, state_handler, **options):
@@ -73,11 +77,15 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, force: bool = False,
            loop: dict | None = None) -> bool:
-    """Start saving ``state`` and the JSON-able ``loop`` dict at ``step``
-    (asynchronously) if ``step`` is due or ``force``; True if it started."""
+    """Start saving ``state`` and the JSON-able ``loop`` dict (with the
+    checksum of ``state["params"]``) at ``step`` (asynchronously) if
+    ``step`` is due or ``force``; True if it started."""
+    if not (force or self.due(step)):
+      return False
+    loop = dict(loop or {}, **{CHECKSUM: tree_checksum(state["params"])})
     return self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(state),
-        LOOP: ocp.args.JsonSave(loop or {})}), force=force)
+        LOOP: ocp.args.JsonSave(loop)}), force=force)
 
   def restore_latest(self, state_like: Any) -> tuple[int, Any, dict] | None:
     """``(step, state, loop)`` of the newest readable checkpoint, with the
@@ -95,8 +103,10 @@ class Checkpointer:
         items[LOOP] = ocp.args.JsonRestore()
       restored = self._manager.restore(step,
                                        args=ocp.args.Composite(**items))
-      loop = restored[LOOP] if LOOP in items else None
-      return restored[STATE], dict(loop or {})
+      loop = dict(restored[LOOP] if LOOP in items else {})
+      verify(restored[STATE]["params"], loop)
+      loop.pop(CHECKSUM, None)  # the checkpointer's own entry
+      return restored[STATE], loop
 
     step, (state, loop) = _newest_readable(self._manager, read,
                                            self._set_aside)
@@ -122,37 +132,66 @@ class Checkpointer:
 
 
 def load_params(run_dir: str, params_like: Any) -> Any:
-  """Parameters of the newest readable checkpoint of the run in ``run_dir``
-  (read-only: an unreadable step is reported and skipped, not moved).
+  """Parameters of the final checkpoint of the run in ``run_dir``
+  (read-only). A damaged final checkpoint is a ``CheckpointError`` naming
+  the run (re-running that run repairs it), not a silent fallback to an
+  earlier step.
 
   ``params_like`` (arrays or ``jax.ShapeDtypeStruct``s with shardings) gives
   the expected structure; a checkpoint of another shape is a
-  ``CheckpointError`` naming the first mismatching parameter.
+  ``CheckpointError`` naming the first mismatching parameter. When it names
+  every parameter, they are verified against the recorded checksum.
   """
   root = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), "ckpt")
   if not os.path.isdir(root):
     raise CheckpointError(f"{run_dir}: no checkpoints (no ckpt/ directory)")
   # The PyTree handler, unlike the standard one, restores a subtree.
   manager = _manager(root, ocp.PyTreeCheckpointHandler(), read_only=True)
-  if not manager.all_steps():
-    raise CheckpointError(f"{run_dir}: no complete checkpoint in {root}")
-  target = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                   params_like)}
-
-  def read(step):
-    check_shapes(_state_metadata(manager, step)["params"], params_like,
-                 f"{run_dir}: parameter", step, exact=False)
-    restored = manager.restore(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.PyTreeRestore(
+  try:
+    if not manager.all_steps():
+      raise CheckpointError(f"{run_dir}: no complete checkpoint in {root}")
+    step = max(manager.all_steps())
+    try:
+      with _quiet_absl():
+        stored = _state_metadata(manager, step)["params"]
+        check_shapes(stored, params_like, f"{run_dir}: parameter", step,
+                     exact=False)
+        target = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                         params_like)}
+        items = {STATE: ocp.args.PyTreeRestore(
             item=target, partial_restore=True,
             restore_args=ocp.checkpoint_utils.construct_restore_args(
-                target))}))
-    return restored[STATE]["params"]
-
-  try:
-    return _newest_readable(manager, read, lambda step: "skipped")[1]
+                target))}
+        whole = len(named_leaves(stored)) == len(named_leaves(params_like))
+        if whole and os.path.isdir(os.path.join(root, str(step), LOOP)):
+          items[LOOP] = ocp.args.JsonRestore()
+        restored = manager.restore(step, args=ocp.args.Composite(**items))
+        params = restored[STATE]["params"]
+        if LOOP in items:
+          verify(params, dict(restored[LOOP] or {}))
+    except CheckpointError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f"{run_dir}: its final checkpoint (step {step}) is unreadable"
+          f" ({_reason(e)}); re-run that run to repair it") from None
+    return params
   finally:
     manager.close()
+
+
+def verify(params: Any, loop: dict) -> None:
+  """A ``ValueError`` when ``params`` do not match the checksum recorded in
+  the checkpoint's ``loop`` item (checkpoints older than the checksum
+  record none and pass)."""
+  recorded = loop.get(CHECKSUM)
+  if recorded and tree_checksum(params) != recorded:
+    raise ValueError("the parameters do not match their recorded sha256")
+
+
+def _reason(error: Exception) -> str:
+  return (f"{type(error).__name__}: "
+          + ((str(error).strip().splitlines() or [""])[0][:200]))
 
 
 def _state_metadata(manager: ocp.CheckpointManager, step: int):
@@ -168,22 +207,24 @@ def _newest_readable(manager: ocp.CheckpointManager,
                      set_aside: Callable[[int], str]) -> tuple[int, Any]:
   """``(step, read(step))`` for the newest step that ``read`` can read.
 
-  A step whose reading raises one of ``_UNREADABLE`` is reported on stderr
-  in one line, handed to ``set_aside`` (which says what it did) and the next
-  older step is tried; a ``CheckpointError`` (incompatible, not damaged)
-  propagates at once.
+  A step whose reading raises (a damaged file: Orbax and tensorstore raise
+  many kinds, down to a bare ``Exception``; or a checksum mismatch) is
+  reported on stderr in one line, handed to ``set_aside`` (which says what
+  it did) and the next older step is tried; a ``CheckpointError``
+  (incompatible, not damaged) propagates at once.
   """
   steps = sorted(manager.all_steps(), reverse=True)
   for step in steps:
     try:
       with _quiet_absl():
         return step, read(step)
-    except _UNREADABLE as e:
-      reason = (str(e).strip().splitlines() or [""])[0][:200]
+    except CheckpointError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
       action = set_aside(step)
       print(f"warning: checkpoint of step {step} in {manager.directory} is"
-            f" unreadable ({type(e).__name__}: {reason}); {action}, trying"
-            " the previous one", file=sys.stderr)
+            f" unreadable ({_reason(e)}); {action}, trying the previous one",
+            file=sys.stderr)
   raise CheckpointError(f"{manager.directory}: none of the {len(steps)}"
                         " checkpoints is readable")
 
