@@ -345,7 +345,9 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("select.ceiling", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("select.num_prompts", _positive, "> 0"),
     ("select.hold_weight", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("optim.learning_rate", lambda v: 0 < v <= 1, "in (0, 1] (AdamW)"),
+    # float32 holds the rate: above its range it is inf on the device
+    ("optim.learning_rate", lambda v: 0 < v < 3.4e38,
+     "finite, > 0 and within float32"),
     ("optim.warmup_steps", _non_negative, ">= 0"),
     ("optim.end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("optim.decay_steps", _non_negative, ">= 0 (0: the whole run)"),

@@ -106,10 +106,7 @@ def check_resumable(config, workdir: str) -> None:
   # Compared as JSON, the form config.json holds (tuples become lists).
   ours = json.loads(json.dumps(
       dict(config.to_dict(), tokenizer=CharTokenizer().fingerprint())))
-  # A merge's checkpoint is its whole result: another merge is another run.
-  keys = ("method", "model", "tokenizer") + (
-      ("init", "experts", "seed", "merge") if config.method == "merge" else ())
-  for key in keys:
+  for key in ("method", "model", "tokenizer"):
     found = key in saved and _first_difference(saved[key], ours.get(key),
                                                key)
     if found:
@@ -118,6 +115,39 @@ def check_resumable(config, workdir: str) -> None:
           f"{field}: {workdir} holds checkpoints of a run with {theirs!r},"
           f" this run has {mine!r}; resume with the same setting or use a new"
           " workdir")
+  # Every other setting too (a resumed run with other hyperparameters would
+  # leave a config.json describing a run that never happened), but for the
+  # ones that may change on resume; fields one side lacks (added or dropped
+  # by another version) are not compared.
+  theirs, mine = _flat(saved), _flat(ours)
+  changed = [k for k in sorted(set(theirs) & set(mine))
+             if theirs[k] != mine[k] and not k.startswith(RESUMABLE_CHANGES)]
+  if changed:
+    raise CheckpointError(
+        f"{workdir} holds checkpoints of a run configured otherwise: "
+        + ", ".join(f"{k} ({theirs[k]!r} -> {mine[k]!r})"
+                    for k in changed[:3])
+        + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        + "; resume with the same settings or use a new workdir")
+
+
+# Settings a resumed run may change: how long it runs, how often it logs,
+# evaluates and checkpoints, where its data and devices are.
+RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every",
+                     "train.max_consecutive_skips", "checkpoint.",
+                     "eval.batch_size", "data.data_dir", "mesh.",
+                     "distributed.", "ops.")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+  """``{"a.b": leaf}`` of a nested dict."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
 
 
 def _first_difference(theirs, mine, field: str):

@@ -284,7 +284,7 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
                 else "no checkpoint was written")
         raise DivergenceError(
             f"step {done}: the update was skipped {longest} steps in a row"
-            " (non-finite loss or gradient); stopped, and"
+            " (non-finite loss, gradient or update); stopped, and"
             f" {kept} (lower optim.learning_rate or check the data)")
       if evaluate:
         scalars = eval_fn(state, done)

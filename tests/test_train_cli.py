@@ -73,6 +73,30 @@ def test_resuming_with_another_model_is_refused(smoke_run, tmp_path,
   assert _snapshot(run) == before  # config.json and checkpoints untouched
 
 
+def test_resuming_with_other_hyperparameters_is_refused(smoke_run, tmp_path,
+                                                        cached_env):
+  """Only how long, how often and where may change on resume; other
+  settings would leave a config.json describing a run that never ran."""
+  run = tmp_path / "run"
+  shutil.copytree(smoke_run[0], run)
+  before = _snapshot(run)
+  cmd = [a if not a.startswith("--workdir=") else f"--workdir={run}"
+         for a in smoke_run[1]]
+  result = subprocess.run(cmd + ["--config.optim.weight_decay=0.5",
+                                 "--config.seed=3"], capture_output=True,
+                          text=True, timeout=300, env=cached_env)
+  line = _one_line_error(result)
+  assert line == (f"error: {run} holds checkpoints of a run configured"
+                  " otherwise: optim.weight_decay (0.01 -> 0.5), seed (0 ->"
+                  " 3); resume with the same settings or use a new workdir")
+  assert _snapshot(run) == before
+  longer = subprocess.run(cmd + ["--config.train.steps=6"],
+                          capture_output=True, text=True, timeout=300,
+                          env=cached_env)
+  assert longer.returncode == 0, longer.stderr[-2000:]
+  assert "resuming from step 4" in longer.stdout
+
+
 def test_checkpoints_without_config_json_are_refused_untouched(
     smoke_run, tmp_path, cached_env):
   """A GRPO command on checkpoints that lost their config.json: refused
@@ -116,8 +140,9 @@ def test_init_run_with_other_token_ids_is_refused(smoke_run, tmp_path,
 
 
 def test_diverging_run_stops_with_exit_2(tmp_path, data_dir, cached_env):
-  """A learning rate of 1e30 overflows the model after one real update: the
-  next updates are skipped, and two in a row stop the run."""
+  """A learning rate of 1e30: after one real update the next update itself
+  is not finite and is skipped (the parameters never hold it), and two in
+  a row stop the run."""
   run = tmp_path / "run"
   result = subprocess.run(
       pretrain_smoke_command(run, data_dir) + [
@@ -127,9 +152,9 @@ def test_diverging_run_stops_with_exit_2(tmp_path, data_dir, cached_env):
       capture_output=True, text=True, timeout=300, env=cached_env, cwd=ROOT)
   assert result.returncode == 2 and "Traceback" not in result.stderr
   line = result.stderr.strip().splitlines()[-1]  # after the progress bar
-  assert line.startswith("error: step 4: the update was skipped 2 steps in a"
+  assert line.startswith("error: step 3: the update was skipped 2 steps in a"
                          " row") and "checkpoint of step 2 is intact" in line
   records = [json.loads(l) for l in open(run / "metrics.jsonl")]
-  assert [r["skipped_updates"] for r in records] == [0.0, 0.0, 1.0, 1.0]
+  assert [r["skipped_updates"] for r in records] == [0.0, 1.0, 1.0]
   assert sorted(os.listdir(run / "ckpt")) == ["1", "2"]
   assert not os.path.exists(run / "summary.json")
