@@ -146,7 +146,8 @@ def load_params(run_dir: str, params_like: Any) -> Any:
   if not os.path.isdir(root):
     raise CheckpointError(f"{run_dir}: no checkpoints (no ckpt/ directory)")
   # The PyTree handler, unlike the standard one, restores a subtree.
-  manager = _manager(root, ocp.PyTreeCheckpointHandler(), read_only=True)
+  with _quiet_absl():  # its notes on read-only directories, once per read
+    manager = _manager(root, ocp.PyTreeCheckpointHandler(), read_only=True)
   try:
     if not manager.all_steps():
       raise CheckpointError(f"{run_dir}: no complete checkpoint in {root}")
