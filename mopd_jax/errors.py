@@ -33,3 +33,9 @@ class CheckpointError(UserError):
 class DivergenceError(UserError):
   """Training stopped: too many steps in a row with a non-finite loss or
   gradient (the last good checkpoint is kept)."""
+
+
+class Interrupted(UserError):
+  """Training stopped by SIGTERM (a preemption) after its current step,
+  with a checkpoint of that step: re-running resumes it."""
+

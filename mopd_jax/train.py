@@ -33,6 +33,8 @@ def main(argv) -> None:
     stages.run(config, _WORKDIR.value)
   except UserError as e:
     fail(str(e))
+  except KeyboardInterrupt:
+    fail("interrupted; the same command resumes from the last checkpoint")
 
 
 def _flag_error(error: Exception, argv) -> str:

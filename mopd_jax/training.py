@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Mapping
 
@@ -19,7 +21,7 @@ import tqdm
 from mopd_jax.atomic import write_json_atomic
 from mopd_jax.checkpointing import Checkpointer
 from mopd_jax.checksum import tree_checksum
-from mopd_jax.errors import DivergenceError
+from mopd_jax.errors import DivergenceError, Interrupted
 from mopd_jax.metrics import (METRICS_FILE, MetricWriter, read_metrics,
                               truncate_after)
 from mopd_jax.reductions import means
@@ -206,6 +208,25 @@ class LoopState:
                stopped=saved.get("stopped"))
 
 
+@contextlib.contextmanager
+def signals_noted():
+  """While inside, SIGTERM (what a preemption sends) is noted (the yielded
+  list gets its number) instead of killing the process, so that the loop
+  can end its step and checkpoint; outside the main thread, nothing
+  changes."""
+  received: list = []
+  if threading.current_thread() is not threading.main_thread():
+    yield received
+    return
+  previous = {s: signal.signal(s, lambda signum, _: received.append(signum))
+              for s in (signal.SIGTERM,)}
+  try:
+    yield received
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
 def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
              checkpoint, train, eval_fn: EvalFn | None = None,
              desc: str = "train", on_eval: OnEval | None = None) -> Any:
@@ -222,6 +243,11 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
   the state and ``(seed, step)``, a run killed at any moment and re-run with
   the same command ends with the same parameters and metrics.jsonl as one
   never stopped (bit for bit on CPU).
+
+  SIGTERM (a preemption) ends the run after the current step:
+  its checkpoint is saved (what was logged past the previous checkpoint
+  stays valid) and an ``Interrupted`` error says so; the same command
+  resumes it exactly.
 
   A step whose metrics report a skipped update (``SKIPPED``, from
   ``guarded_update``) counts into ``skipped_steps``; once
@@ -257,6 +283,7 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
                     total=total_steps, desc=desc, dynamic_ncols=True,
                     mininterval=1.0)
     cleanup.callback(bar.close)
+    received = cleanup.enter_context(signals_noted())
     last_saved = start or None
     tick, tick_step = time.perf_counter(), start
     done = start
@@ -267,7 +294,7 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
       log = done % train.log_every == 0 or done == total_steps
       evaluate = eval_fn and (done == total_steps or (
           train.eval_every and done % train.eval_every == 0))
-      save = done == total_steps or ckpt.due(done)
+      save = done == total_steps or ckpt.due(done) or bool(received)
       if not (log or evaluate or save):
         continue
       longest = loop.resolve()
@@ -298,6 +325,11 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
         last_saved = done
       if loop.stopped:
         break
+      if received:
+        name = signal.Signals(received[0]).name
+        raise Interrupted(f"stopped by {name} after step {done}, its"
+                          " checkpoint saved; run the same command to"
+                          " resume")
   write_summary(workdir, done, state["params"], stopped=loop.stopped)
   return state
 

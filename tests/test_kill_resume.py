@@ -49,20 +49,27 @@ def _either(*conditions):
   return lambda: any(c() for c in conditions)
 
 
-def _kill_when(cmd, ready, env, timeout=240):
-  """Run ``cmd``; SIGKILL it as soon as ``ready()`` holds. Returns its exit
-  code (-9 when killed)."""
+def _signal_when(cmd, ready, env, sig, timeout=240):
+  """Run ``cmd``; send it ``sig`` as soon as ``ready()`` holds. Returns its
+  exit code and stderr."""
   proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
   deadline = time.monotonic() + timeout
   while proc.poll() is None and time.monotonic() < deadline:
     if ready():
-      proc.send_signal(signal.SIGKILL)
+      proc.send_signal(sig)
       break
     time.sleep(0.005)
   _, err = proc.communicate(timeout=timeout)
-  assert proc.returncode in (0, -signal.SIGKILL), err[-3000:]
-  return proc.returncode
+  return proc.returncode, err
+
+
+def _kill_when(cmd, ready, env, timeout=240):
+  """Run ``cmd``; SIGKILL it as soon as ``ready()`` holds. Returns its exit
+  code (-9 when killed)."""
+  code, err = _signal_when(cmd, ready, env, signal.SIGKILL, timeout)
+  assert code in (0, -signal.SIGKILL), err[-3000:]
+  return code
 
 
 def _assert_same_run(run, reference):
@@ -119,3 +126,31 @@ def test_mix_rl_killed_twice_ends_identical(smoke_run, data_dir, tmp_path,
   assert codes == [-signal.SIGKILL] * 2, codes
   assert _kill_when(cmd(run), lambda: False, cached_env) == 0
   _assert_same_run(run, reference)
+
+
+def test_sigterm_checkpoints_the_step_and_resumes_identical(
+    data_dir, tmp_path, cached_env):
+  """A preemption's SIGTERM ends the run after its current step with a
+  checkpoint of it and one line; the same command then finishes it as if
+  never stopped."""
+  sig = signal.SIGTERM
+  def cmd(run):
+    return pretrain_smoke_command(run, data_dir) + [
+        "--config.train.steps=12", "--config.train.log_every=1",
+        "--config.train.eval_every=0", "--config.checkpoint.every=100"]
+  reference, run = tmp_path / "reference", tmp_path / "run"
+  assert _kill_when(cmd(reference), lambda: False, cached_env) == 0
+  code, err = _signal_when(cmd(run), _logged(run, 3), cached_env, sig)
+  assert code == 2, err[-3000:]
+  line = err.strip().splitlines()[-1]
+  name = signal.Signals(sig).name
+  assert line.startswith(f"error: stopped by {name} after step ") and (
+      line.endswith("its checkpoint saved; run the same command to resume"))
+  stopped = int(line.split("after step ")[1].split(",")[0])
+  assert 3 <= stopped < 12
+  assert os.path.isdir(run / "ckpt" / str(stopped))
+  assert _kill_when(cmd(run), lambda: False, cached_env) == 0
+  assert _records(run) == _records(reference)
+  for name in ("summary.json", "eval.json"):
+    assert json.load(open(run / name)) == json.load(open(reference / name))
+
