@@ -50,6 +50,8 @@ def sweep_grid(settings: merge.Settings, lambdas, densities) -> list[dict]:
     axes["lam"] = tuple(lambdas)
   if settings.method in merge.SPARSIFIED:
     axes["density"] = tuple(densities)
+  if not axes:
+    return []
   return [dict(zip(axes, values))
           for values in itertools.product(*axes.values())]
 

@@ -10,6 +10,7 @@ import pytest
 
 from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import merge
+from mopd_jax.stages.merge import sweep_grid
 
 
 def _run(method, b, taus, **settings):
@@ -203,3 +204,13 @@ def test_expert_counts():
   with pytest.raises(ConfigError, match="model_stock needs at least two"):
     merge.check_experts("model_stock", 1)
   merge.check_experts("ties", 1)
+
+
+def test_sweep_grid_covers_only_what_the_method_uses():
+
+  grid = sweep_grid(merge.Settings("ties", (1.0,)), (0.5, 1.0), (0.3, 0.7))
+  assert grid == [dict(lam=0.5, density=0.3), dict(lam=0.5, density=0.7),
+                  dict(lam=1.0, density=0.3), dict(lam=1.0, density=0.7)]
+  assert sweep_grid(merge.Settings("sparse_union", (1.0,)), (0.5,),
+                    (0.3,)) == [dict(lam=0.5)]
+  assert sweep_grid(merge.Settings("karcher", (1.0,)), (0.5,), (0.3,)) == []
