@@ -165,8 +165,13 @@ def evaluation_path(study: Study, model: str) -> str:
 
 
 def _evaluate(study: Study, model: str, run_dir: str) -> None:
+  """Evaluate one model's run, once; a model whose step was not run (no
+  run directory) is left out of the comparison with a note."""
   c = study.config.eval
   path = evaluation_path(study, model)
+  if not os.path.exists(os.path.join(run_dir, "config.json")):
+    print(f"study: no {model} run ({run_dir}); left out")
+    return
   if not os.path.exists(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     evaluate_run(run_dir, c.num_prompts, list(DOMAINS), output=path,
