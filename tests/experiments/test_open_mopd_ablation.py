@@ -29,7 +29,7 @@ def test_over_seeds_averages_each_cell():
         got[mode]["mean_std"], np.std([r[mode]["mean"] for r in reports]))
 
 
-def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
+def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir, cached_env):
   base = tmp_path / "base"  # a copy: the evaluation adds a file to it
   shutil.copytree(smoke_run[0], base)
   teachers = ",".join(f"{d}={base}" for d in ("add", "chain", "instruct",
@@ -44,7 +44,7 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir):
       capture_output=True, text=True, timeout=300,
       # A script's own directory comes first on sys.path: point Python at
       # this checkout's package, not at whichever one is installed.
-      env=dict(os.environ, PYTHONPATH=ROOT))
+      env=dict(cached_env, PYTHONPATH=ROOT))
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.load(open(out / "ablation.json"))
   assert set(results) == {"plain", "all"}

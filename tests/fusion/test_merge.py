@@ -173,6 +173,8 @@ def test_stacked_leaves_merge_layer_by_layer_with_per_layer_lambda():
 
 
 def test_merge_params_walks_every_leaf_and_is_deterministic():
+  """The stage merges with merge_params(seed=config.seed): the same command
+  gives the same parameters, another seed another DARE draw."""
   key = jax.random.key(1)
   base = {"embed": jax.random.normal(key, (6, 4)),
           "layers": {"q": jax.random.normal(jax.random.fold_in(key, 1),

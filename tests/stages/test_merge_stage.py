@@ -9,10 +9,10 @@ import sys
 
 import jax
 import pytest
-from conftest import ROOT, train_cli
+from conftest import ROOT, load_config, train_cli
 
 from mopd_jax import config as config_lib
-from mopd_jax import parallel, runs
+from mopd_jax import parallel, runs, stages
 from mopd_jax.checkpointing import Checkpointer
 from mopd_jax.evaluation import geometry
 
@@ -91,19 +91,6 @@ def test_merge_is_a_run_that_other_stages_and_evaluate_accept(
       (run / "eval_4.json").read_text())
 
 
-def test_dare_merge_is_deterministic(experts, tmp_path, data_dir, cached_env):
-  base, template = experts
-  digests = []
-  for name in ("a", "b"):
-    result = _merge(base, template, tmp_path / name, data_dir,
-                    "--config.merge.method=dare_ties",
-                    "--config.merge.density=0.5", env=cached_env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    digests.append(json.loads(
-        (tmp_path / name / "summary.json").read_text())["params_sha256"])
-  assert digests[0] == digests[1]  # another seed, another draw: test_merge
-
-
 @pytest.mark.parametrize("extra, message", [
     (("--config.merge.density=1.5",), "merge.density: must be in (0, 1]"),
     (("--config.merge.method=fisher",), "merge.method: must be one of"),
@@ -158,3 +145,19 @@ def test_geometry_of_runs_alone(experts, tmp_path):
   assert bad.returncode == 2
   assert bad.stderr.strip().splitlines()[-1] == (
       "error: --experts: no run for domain 'chain'")
+
+
+def test_the_same_dare_merge_twice_has_the_same_checksum(experts, tmp_path,
+                                                          data_dir):
+  """In process (the second run reuses the first's compiled programs)."""
+  base, template = experts
+  digests = []
+  for name in ("a", "b"):
+    config = load_config("merge", "smoke")
+    config.update(init=str(base), experts=template)
+    config.data.data_dir = data_dir
+    config.merge.update(method="dare_ties", density=0.5)
+    stages.run(config_lib.validate(config), str(tmp_path / name))
+    digests.append(json.loads(
+        (tmp_path / name / "summary.json").read_text())["params_sha256"])
+  assert digests[0] == digests[1]
