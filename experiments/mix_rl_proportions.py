@@ -104,7 +104,7 @@ def main() -> None:
   parser.add_argument("--out", required=True)
   parser.add_argument("--boost", type=float, default=3.0)
   parser.add_argument("--domains", default=",".join(TRAIN_DOMAINS),
-                      type=lambda v: tuple(v.split(",")))
+                      type=lambda v: tuple(d for d in v.split(",") if d))
   parser.add_argument("--variant", default="")
   parser.add_argument("--eval_prompts", type=int, default=480)
   argv, overrides = sys.argv[1:], []

@@ -9,10 +9,10 @@ import sys
 
 import jax
 import pytest
-from conftest import ROOT, load_config, train_cli
+from conftest import ROOT, train_cli
 
 from mopd_jax import config as config_lib
-from mopd_jax import parallel, runs, stages
+from mopd_jax import parallel, runs
 from mopd_jax.checkpointing import Checkpointer
 from mopd_jax.evaluation import geometry
 
@@ -145,19 +145,3 @@ def test_geometry_of_runs_alone(experts, tmp_path):
   assert bad.returncode == 2
   assert bad.stderr.strip().splitlines()[-1] == (
       "error: --experts: no run for domain 'chain'")
-
-
-def test_the_same_dare_merge_twice_has_the_same_checksum(experts, tmp_path,
-                                                          data_dir):
-  """In process (the second run reuses the first's compiled programs)."""
-  base, template = experts
-  digests = []
-  for name in ("a", "b"):
-    config = load_config("merge", "smoke")
-    config.update(init=str(base), experts=template)
-    config.data.data_dir = data_dir
-    config.merge.update(method="dare_ties", density=0.5)
-    stages.run(config_lib.validate(config), str(tmp_path / name))
-    digests.append(json.loads(
-        (tmp_path / name / "summary.json").read_text())["params_sha256"])
-  assert digests[0] == digests[1]
