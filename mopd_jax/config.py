@@ -385,8 +385,6 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      " or ".join(grpo.AGGREGATIONS)),
     ("teachers", lambda v: bool(v), "the expert runs: a template with"
      " {domain} or domain=dir pairs"),
-    ("experts", lambda v: bool(v), "the expert runs: a template with"
-     " {domain} or domain=dir pairs"),
     ("merge.method", lambda v: v in merge.METHODS,
      "one of " + ", ".join(merge.METHODS)),
     ("merge.density", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -430,11 +428,6 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("mixture.floor", _non_negative, ">= 0"),
     ("mixture.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
 )
-
-
-# Fields a method may leave empty although others must set them: a study
-# trains its experts unless given existing ones.
-_OPTIONAL = {"study": ("experts",)}
 
 
 def _type_ok(default, value) -> bool:
@@ -490,8 +483,6 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   full = schema
   full.update(config)
   for path, ok, what in _CHECKS:
-    if path in _OPTIONAL.get(full.method, ()):
-      continue
     if _has(full, path) and not ok(_get(full, path)):
       raise ConfigError(f"{path}: must be {what}, got {_get(full, path)!r}")
   if "model" in full and full.model.num_heads % full.model.num_kv_heads:
@@ -510,6 +501,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if "opd" in full:
     _validate_mopd(full)
   if "merge" in full:
+    # Merge's own: a study's `experts` may be empty (it trains them).
+    if not full.experts:
+      raise ConfigError("experts: must be the expert runs: a template with"
+                        " {domain} or domain=dir pairs, got ''")
     if full.merge.weights and len(full.merge.weights) != len(
         full.data.domains):
       raise ConfigError(f"merge.weights: {len(full.merge.weights)} weights"

@@ -10,6 +10,8 @@ from mopd_jax.data import tfds_builder
 from mopd_jax.data.domains import get_domain
 from mopd_jax.data.jsonl import load_jsonl
 
+VALIDATION = "validation"  # the split every choice is made on
+
 
 def domain_splits(config, names: Sequence[str], split: str) -> dict:
   """``{domain: examples}`` of one split of the built-in TFDS datasets."""

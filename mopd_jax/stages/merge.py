@@ -27,7 +27,6 @@ from mopd_jax.evaluation import evaluator, geometry, headroom
 from mopd_jax.fusion import merge, teachers
 
 SWEEP_FILE = "sweep.json"
-VALIDATION = "validation"
 
 
 def settings_from(section, count: int) -> merge.Settings:
@@ -124,20 +123,20 @@ def _sweep(config, workdir, settings, grid, merged, model_cfg, tokenizer,
   """Score each grid point by its mean greedy accuracy on the first
   ``merge.sweep_prompts`` validation prompts of every merged domain; write
   ``sweep.json``; return the best settings (the first of equals)."""
-  sets = splits.domain_splits(config, config.data.domains, VALIDATION)
+  sets = splits.domain_splits(config, config.data.domains, splits.VALIDATION)
   evaluate = evaluator.make_eval_fn(config, model_cfg, tokenizer, sets, mesh,
-                                 greedy_only=True, prefix=VALIDATION,
+                                 greedy_only=True, prefix=splits.VALIDATION,
                                  num_prompts=config.merge.sweep_prompts)
   scored = []
   for point in grid:
     candidate = dataclasses.replace(settings, **point)
     accuracy = headroom.accuracies(evaluate({"params": merged(candidate)}, 0),
-                                   "greedy", VALIDATION)
+                                   "greedy", splits.VALIDATION)
     scored.append(dict(point, accuracy=accuracy,
                        mean=float(np.mean(list(accuracy.values())))))
     print(f"sweep {point}: mean validation greedy {scored[-1]['mean']:.3f}")
   best = max(range(len(scored)), key=lambda i: (scored[i]["mean"], -i))
   atomic.write_json_atomic(os.path.join(workdir, SWEEP_FILE), dict(
       method=settings.method, prompts=config.merge.sweep_prompts,
-      split=VALIDATION, grid=scored, best=grid[best]))
+      split=splits.VALIDATION, grid=scored, best=grid[best]))
   return dataclasses.replace(settings, **grid[best])

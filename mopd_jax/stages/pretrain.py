@@ -27,7 +27,6 @@ from mopd_jax.errors import ConfigError
 from mopd_jax.evaluation import evaluator, headroom
 from mopd_jax.objectives.sft import make_train_step
 
-VALIDATION = "validation"
 
 
 def batch_drawer(train_sets, weights: np.ndarray, seed: int, step: int):
@@ -52,7 +51,7 @@ def held_weights(base: np.ndarray, held: np.ndarray, hold_weight: float
 
 def validation_accuracy(scalars) -> dict[str, float]:
   """``{domain: greedy accuracy}`` from a validation evaluation's scalars."""
-  return headroom.accuracies(scalars, "greedy", VALIDATION)
+  return headroom.accuracies(scalars, "greedy", splits.VALIDATION)
 
 
 def selection(step: int, accuracy: dict[str, float], select) -> dict | None:
@@ -122,8 +121,8 @@ def run(config, workdir: str):
   selected = [d for d in config.data.domains if d in TRAIN_DOMAINS]
   val_eval = evaluator.make_eval_fn(
       config, model_cfg, tokenizer,
-      splits.domain_splits(config, selected, VALIDATION), mesh,
-      greedy_only=True, prefix=VALIDATION,
+      splits.domain_splits(config, selected, splits.VALIDATION), mesh,
+      greedy_only=True, prefix=splits.VALIDATION,
       num_prompts=config.select.num_prompts)
 
   def select_eval_fn(state, step):
