@@ -294,7 +294,10 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
       log = done % train.log_every == 0 or done == total_steps
       evaluate = eval_fn and (done == total_steps or (
           train.eval_every and done % train.eval_every == 0))
-      save = done == total_steps or ckpt.due(done) or bool(received)
+      # read once: a signal arriving later in this step is acted on after
+      # the next step, so the step it names always has its checkpoint
+      interrupted = bool(received)
+      save = done == total_steps or ckpt.due(done) or interrupted
       if not (log or evaluate or save):
         continue
       longest = loop.resolve()
@@ -325,7 +328,7 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
         last_saved = done
       if loop.stopped:
         break
-      if received:
+      if interrupted:
         name = signal.Signals(received[0]).name
         raise Interrupted(f"stopped by {name} after step {done}, its"
                           " checkpoint saved; run the same command to"
