@@ -56,11 +56,13 @@ class Domain(abc.ABC):
   """A task: draws prompts with demonstrations and scores completions.
 
   Subclasses implement ``_sample`` and ``verify``; verifiers take any string
-  and return a reward in [0, 1] without raising.
+  and return a reward in [0, 1] without raising. ``answer_chars`` bounds
+  the length of every answer ``_sample`` draws (``completion_budget``).
   """
   name: str
   held_out: bool
   description: str
+  answer_chars: int
 
   def generate(self, rng: np.random.Generator) -> Example:
     """One random prompt and its demonstration answer."""
@@ -171,14 +173,15 @@ class _Reverse(_ExactMatch):
 
 DOMAINS: dict[str, Domain] = {
     d.name: d for d in (
-        _Add("add", False, "two-operand addition, operands 0..99"),
+        _Add("add", False, "two-operand addition, operands 0..99", 3),
         _Chain("chain", False,
-               "step-by-step sum of 3 to 5 terms; only the total is checked"),
+               "step-by-step sum of 3 to 5 terms; only the total is checked",
+               45),
         _Instruct("instruct", False,
-                  "first/last k letters, the i-th letter"),
-        _Sort("sort", False, "sort 4 to 7 letters"),
+                  "first/last k letters, the i-th letter", 3),
+        _Sort("sort", False, "sort 4 to 7 letters", 7),
         _Reverse("reverse", True,
-                 "reverse 3 to 5 letters; held out, base training only"),
+                 "reverse 3 to 5 letters; held out, base training only", 5),
     )
 }
 TRAIN_DOMAINS: tuple[str, ...] = ("add", "chain", "instruct", "sort")
@@ -192,6 +195,15 @@ def get_domain(name: str) -> Domain:
   except KeyError:
     raise DataError(
         f"unknown domain {name!r}; known: {', '.join(DOMAINS)}") from None
+
+
+def completion_budget(domains, cap: int) -> int:
+  """Tokens a training rollout of these domains' prompts may take:
+  ``min(cap, 2 L + 2)``, ``L`` the longest answer of ``domains`` in
+  characters, which bounds its tokens: room for the answer, its EOS and as
+  much again for a wrong one. Without it an ``add`` expert would sample and
+  train on rows of ``cap`` = 48 tokens whose answers take at most 4."""
+  return min(cap, 2 * max(get_domain(d).answer_chars for d in domains) + 2)
 
 
 def split_of(prompt: str) -> str:

@@ -160,7 +160,7 @@ class MOPD:
     if opd_cfg.loss == "topk" and opd_cfg.top_k > model_cfg.vocab_size:
       raise ConfigError(f"opd.top_k: {opd_cfg.top_k} exceeds the vocabulary"
                         f" of {model_cfg.vocab_size}")
-    self.names = tuple(config.data.domains)
+    self.names = on_policy.domains(config)
     self.base = mixture.base_weights(self.names, config.data.weights)
     self.teacher_mesh = teachers.teacher_mesh(mesh, opd_cfg.teacher_devices)
     self.teachers = teachers.load_teachers(

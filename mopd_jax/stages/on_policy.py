@@ -23,7 +23,7 @@ import numpy as np
 from mopd_jax import config as config_lib
 from mopd_jax import parallel, runs, training
 from mopd_jax.data import batching, splits
-from mopd_jax.data.domains import get_domain
+from mopd_jax.data.domains import completion_budget, get_domain
 from mopd_jax.evaluation import evaluator
 from mopd_jax.objectives import grpo
 from mopd_jax.rollout import sampler
@@ -244,6 +244,13 @@ def step(ctx: Context, method: Method, state: dict, step: int):
   return new_state, pairs
 
 
+def domains(config) -> tuple[str, ...]:
+  """The domains a run trains on: an expert's ``domain``, else
+  ``data.domains``."""
+  return (config.domain,) if config.method == "grpo" else tuple(
+      config.data.domains)
+
+
 def run(config, workdir: str, make_method, desc: str, on_final=None):
   """The whole on-policy run: set up, build the method
   (``make_method(config, tokenizer, model_cfg, mesh, sampling)`` ->
@@ -254,7 +261,9 @@ def run(config, workdir: str, make_method, desc: str, on_final=None):
   rl = config.rl
   batch = rl.prompts_per_step * rl.group_size
   runs.check_divisible(mesh, batch // rl.minibatches, "rl.minibatches")
-  sampling = config_lib.sampling_config(config.sampling, tokenizer)
+  sampling = config_lib.sampling_config(
+      config.sampling, tokenizer, max_new_tokens=completion_budget(
+          domains(config), config.sampling.max_new_tokens))
   # The method first: its runs (teachers) are checked before any loading.
   method, loss_fn, needs_reference = make_method(
       config, tokenizer, model_cfg, mesh, sampling)

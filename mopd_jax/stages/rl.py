@@ -17,11 +17,6 @@ from mopd_jax.objectives import grpo, policy
 from mopd_jax.stages import on_policy
 
 
-def rl_domains(config) -> tuple[str, ...]:
-  return (config.domain,) if config.method == "grpo" else tuple(
-      config.data.domains)
-
-
 def make_loss(model_cfg, sampling, rl, ops: dict):
   """Minibatch loss: clipped PG (+ beta KL to the reference), aggregated;
   ``ops``: options of the fused vocabulary ops."""
@@ -45,7 +40,7 @@ class GRPO:
 
   def __init__(self, config):
     self.config = config
-    self.names = rl_domains(config)
+    self.names = on_policy.domains(config)
     self.base = mixture.base_weights(self.names, (
         () if config.method == "grpo" else config.data.weights))
     adaptive = config.method == "mix_rl" and config.mixture.adaptive

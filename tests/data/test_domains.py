@@ -226,3 +226,20 @@ def test_verifiers_never_raise(name, completion, answer):
     reward = d.verify(c, a)
     assert type(reward) is float and 0.0 <= reward <= 1.0
     assert time.perf_counter() - start < 0.5  # never hangs
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_answer_chars_is_the_longest_answer(name):
+  """The declared bound holds for every drawn answer and is reached (a
+  loose bound would waste decode steps, a short one truncate answers)."""
+  drawn = domains.generate(name, "train", 3000, seed=0) + domains.generate(
+      name, "test", 200, seed=0)
+  longest = max(len(ex.answer) for ex in drawn)
+  assert longest == domains.DOMAINS[name].answer_chars
+
+
+def test_completion_budget():
+  assert domains.completion_budget(("add",), 48) == 2 * 3 + 2
+  assert domains.completion_budget(("add", "sort"), 48) == 2 * 7 + 2
+  assert domains.completion_budget(("add", "chain"), 48) == 48  # the cap
+  assert domains.completion_budget(("add",), 5) == 5

@@ -38,7 +38,7 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir, cached_env):
   result = subprocess.run(
       [sys.executable, f"{ROOT}/experiments/open_mopd_ablation.py",
        f"--base={base}", f"--teachers={teachers}", f"--out={out}",
-       "--steps=2", "--variants=plain,all", "--seeds=0,3", "--jobs=2",
+       "--steps=2", "--variants=all", "--seeds=0,3", "--jobs=2",
        "--config_variant=:smoke", "--eval_prompts=8", "--",
        f"--config.data.data_dir={data_dir}"],
       capture_output=True, text=True, timeout=300,
@@ -47,22 +47,20 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir, cached_env):
       env=dict(cached_env, PYTHONPATH=ROOT))
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.load(open(out / "ablation.json"))
-  assert set(results) == {"plain", "all"}
+  assert set(results) == {"all"}
   assert set(results["all"]) == {"greedy", "sampled", "per_seed"}
   assert set(results["all"]["per_seed"]) == {"0", "3"}
-  assert "evaluation at step 2" in (out / "plain.log").read_text()
+  assert "evaluation at step 2" in (out / "all.log").read_text()
   saved = json.load(open(out / "all" / "config.json"))
-  saved_plain = json.load(open(out / "plain" / "config.json"))
   assert saved["open_mopd"]["token_share"] and saved["open_mopd"][
       "gap_budget"] and saved["open_mopd"]["reward_refresh"]
-  assert not saved_plain["open_mopd"]["token_share"]
-  assert saved_plain["seed"] == 0
-  assert json.load(open(out / "plain_seed3" / "config.json"))["seed"] == 3
+  assert saved["seed"] == 0
+  assert json.load(open(out / "all_seed3" / "config.json"))["seed"] == 3
   report = (out / "ablation.md").read_text()
   assert "| all |" in report and "eval_8.json" in report
   assert "sd of the mean over 2 seeds" in report
   assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  for run in (base, out / "plain", out / "all", out / "all_seed3"):
+  for run in (base, out / "all", out / "all_seed3"):
     assert (run / "eval_8.json").exists(), run
 
 

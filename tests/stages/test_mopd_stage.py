@@ -289,11 +289,13 @@ def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
                                    cached_env):
   base = smoke_run[0]
   run = tmp_path / "mopd"
-  result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
-                     f"--workdir={run}",
-                     f"--config.init={base}", f"--config.teachers=add={base}",
-                     f"--config.data.data_dir={data_dir}", *extra)
-  assert result.returncode == 2 and "teachers: no run for domain" in result.stderr
+  if "--config.opd.loss=topk" in extra:  # once is enough
+    result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
+                       f"--workdir={run}", f"--config.init={base}",
+                       f"--config.teachers=add={base}",
+                       f"--config.data.data_dir={data_dir}", *extra)
+    assert result.returncode == 2 and (
+        "teachers: no run for domain" in result.stderr)
   teachers = ",".join(f"{d}={base}" for d in ("add", "chain", "instruct",
                                                 "sort"))
   result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
@@ -316,9 +318,10 @@ def test_cli_distils_from_teachers(smoke_run, tmp_path, data_dir, extra,
   # Teachers equal to the base leave no headroom: nothing to divide by.
   assert json.load(open(run / "headroom.json")) == {
       "greedy": {"mean": 0.0}, "sampled": {"mean": 0.0}}
-  if "--config.open_mopd.gap_budget=True" in extra:
+  if "--config.open_mopd.gap_relative=True" in extra:
     # Resumed from step 2 (as after a kill before the last checkpoint), the
-    # run restores the gap-budget state and ends identical.
+    # run restores the gap-budget state (with its first-batch reference)
+    # and ends identical.
     summary = json.load(open(run / "summary.json"))
     shutil.rmtree(run / "ckpt" / "4")
     result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
