@@ -20,6 +20,8 @@ def get_config(variant: str = ""):
   if variant == "smoke":
     config.variant = "smoke"
     config.merge_methods = ("ties",)
+    for name in config.overrides:  # the smoke configs' own sizes
+      config.overrides[name] = ()
     config.eval.update(num_prompts=8, samples=2)
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/study.py")

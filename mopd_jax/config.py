@@ -152,6 +152,11 @@ def _grpo() -> ml_collections.ConfigDict:
   """One ``domain``'s expert."""
   c = _on_policy("grpo")
   c.domain = "add"
+  # Stop by measurement (stages/expert_stop.py): at the first evaluation
+  # (every train.eval_every steps) where the domain's greedy accuracy on
+  # stop.num_prompts validation prompts has gained ``gain`` over the
+  # start; train.steps is then the limit. 0: off, train.steps steps.
+  c.stop = ml_collections.ConfigDict(dict(gain=0.0, num_prompts=128))
   return c
 
 
@@ -212,10 +217,25 @@ def _study() -> ml_collections.ConfigDict:
   c.merge_methods = ("task_arithmetic", "ties", "dare_ties", "breadcrumbs",
                      "model_stock", "karcher", "sparse_union")
   c.merge_sweep = True  # lambda/density chosen on validation
-  # per step config, "field=value" strings: overrides.grpo=("train.steps=400",)
-  c.overrides = ml_collections.ConfigDict(
-      {name: () for name in ("pretrain", "grpo", "merge", "mix_rl", "mopd")})
-  c.eval = ml_collections.ConfigDict(dict(num_prompts=480, samples=8))
+  # Per step config, "field=value" strings (a value is read as JSON where
+  # it parses); setting one replaces that step's tuple. The defaults are
+  # the study's budget, about an hour on a 2-core CPU (docs/results.md):
+  # each expert stops once its domain gained 20 greedy points on
+  # validation (at most 300 steps); Mix RL and MOPD train 100 steps,
+  # evaluated every 25 on 128 prompts for the report's curves; Merge
+  # sweeps lambda and density over two values each.
+  c.overrides = ml_collections.ConfigDict(dict(
+      pretrain=(),
+      grpo=("stop.gain=0.2", "train.steps=300", "train.eval_every=25"),
+      merge=("merge.sweep_lambdas=[0.5,1.0]",
+             "merge.sweep_densities=[0.3,0.7]"),
+      mix_rl=("train.steps=100", "train.eval_every=25",
+              "eval.num_prompts=128"),
+      mopd=("train.steps=100", "train.eval_every=25",
+            "eval.num_prompts=128")))
+  # the final evaluation of every model: test prompts per domain, and
+  # samples per prompt at temperature 1 (pass@k up to k = samples)
+  c.eval = ml_collections.ConfigDict(dict(num_prompts=480, samples=4))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
                                           rules="fsdp_tp"))
   c.distributed = ml_collections.ConfigDict(dict(
@@ -345,6 +365,8 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("select.ceiling", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("select.num_prompts", _positive, "> 0"),
     ("select.hold_weight", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("stop.gain", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+    ("stop.num_prompts", _positive, "> 0"),
     # float32 holds the rate: above its range it is inf on the device
     ("optim.learning_rate", lambda v: 0 < v < 3.4e38,
      "finite, > 0 and within float32"),
@@ -496,6 +518,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f" {len(full.data.domains)} domains")
   if "select" in full and full.select.target > 0:
     _validate_select(full)
+  if "stop" in full and full.stop.gain > 0 and full.train.eval_every <= 0:
+    raise ConfigError("train.eval_every: stop.gain needs a validation"
+                      " evaluation every N > 0 steps")
   if "rl" in full:
     _validate_rl(full)
   if "opd" in full:

@@ -251,12 +251,15 @@ def domains(config) -> tuple[str, ...]:
       config.data.domains)
 
 
-def run(config, workdir: str, make_method, desc: str, on_final=None):
+def run(config, workdir: str, make_method, desc: str, on_final=None,
+        stopper=None):
   """The whole on-policy run: set up, build the method
   (``make_method(config, tokenizer, model_cfg, mesh, sampling)`` ->
   ``(method, loss_fn, needs_reference)``), load ``init``, then the step
   loop with its evaluations (``on_final(scalars)`` at the end; default:
-  ``eval.json``). Returns the final state."""
+  ``eval.json``). ``stopper(config, model_cfg, tokenizer, mesh, params,
+  eval_fn, workdir) -> (eval_fn, on_eval)`` ends the run by measurement
+  (``expert_stop``). Returns the final state."""
   tokenizer, model_cfg, mesh = runs.setup(config)
   rl = config.rl
   batch = rl.prompts_per_step * rl.group_size
@@ -282,7 +285,12 @@ def run(config, workdir: str, make_method, desc: str, on_final=None):
   eval_fn = evaluator.make_eval_fn(
       config, model_cfg, tokenizer, test_sets, mesh,
       on_final or runs.write_eval(workdir, config.train.steps))
+  on_eval = None
+  if stopper:
+    with parallel.activate(mesh):
+      eval_fn, on_eval = stopper(config, model_cfg, tokenizer, mesh,
+                                 state["params"], eval_fn, workdir)
   return training.run_loop(workdir, state, functools.partial(step, ctx,
                                                              method),
                            config.train.steps, config.checkpoint,
-                           config.train, eval_fn, desc=desc)
+                           config.train, eval_fn, desc=desc, on_eval=on_eval)

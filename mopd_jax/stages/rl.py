@@ -14,7 +14,7 @@ import numpy as np
 from mopd_jax import config as config_lib
 from mopd_jax.data import mixture
 from mopd_jax.objectives import grpo, policy
-from mopd_jax.stages import on_policy
+from mopd_jax.stages import expert_stop, on_policy
 
 
 def make_loss(model_cfg, sampling, rl, ops: dict):
@@ -90,4 +90,6 @@ def run(config, workdir: str):
   """Train an expert (``grpo``) or the Mix RL model; returns the state."""
   desc = (config.method if config.method != "grpo"
           else f"grpo[{config.domain}]")
-  return on_policy.run(config, workdir, make_method, desc)
+  stopper = (expert_stop.gain_stop if config.method == "grpo"
+             and config.stop.gain else None)
+  return on_policy.run(config, workdir, make_method, desc, stopper=stopper)
