@@ -18,10 +18,17 @@ from mopd_jax.data import splits
 from mopd_jax.evaluation import evaluator, headroom
 
 
+def validation_accuracy(scalars, domain: str) -> float:
+  """``domain``'s greedy accuracy from a validation evaluation's scalars."""
+  return headroom.accuracies(scalars, "greedy", splits.VALIDATION)[domain]
+
+
 def gain_record(step: int, accuracy: float, start: float, stop
                 ) -> dict | None:
-  """The stop record when ``accuracy - start >= stop.gain``, else None."""
-  if accuracy - start < stop.gain:
+  """The stop record when ``accuracy - start >= stop.gain``, else None
+  (accuracies are fractions k/n: 1e-9 absorbs the subtraction's rounding,
+  0.6 - 0.4 = 0.19999999999999996)."""
+  if accuracy - start < stop.gain - 1e-9:
     return None
   return dict(step=step, reason=f"greedy validation accuracy gained"
               f" {accuracy - start:+.3f} >= {stop.gain} over the start",
@@ -44,7 +51,7 @@ def gain_stop(config, model_cfg, tokenizer, mesh, params, test_eval,
       num_prompts=config.stop.num_prompts)
 
   def accuracy(scalars) -> float:
-    return headroom.accuracies(scalars, "greedy", splits.VALIDATION)[domain]
+    return validation_accuracy(scalars, domain)
 
   start = accuracy(val_eval({"params": params}, 0))
 
