@@ -181,6 +181,20 @@ def load_params(run_dir: str, params_like: Any) -> Any:
     manager.close()
 
 
+def newest_step(run_dir: str) -> int | None:
+  """The step of the newest complete checkpoint of the run in ``run_dir``
+  (the one ``load_params`` reads); None without one."""
+  root = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), "ckpt")
+  if not os.path.isdir(root):
+    return None
+  with _quiet_absl():
+    manager = _manager(root, ocp.PyTreeCheckpointHandler(), read_only=True)
+  try:
+    return max(manager.all_steps(), default=None)
+  finally:
+    manager.close()
+
+
 def verify(params: Any, loop: dict) -> None:
   """A ``ValueError`` when ``params`` do not match the checksum recorded in
   the checkpoint's ``loop`` item (checkpoints older than the checksum

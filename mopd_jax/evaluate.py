@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 
 import jax
-from absl import app, flags, logging
+from absl import flags
 
 from mopd_jax import config as config_lib
-from mopd_jax import parallel, runs, training
+from mopd_jax import checkpointing, cli, parallel, runs, training
 from mopd_jax.data import splits
 from mopd_jax.data.domains import DOMAINS
-from mopd_jax.errors import ConfigError, UserError, fail
+from mopd_jax.errors import ConfigError
 from mopd_jax.evaluation import evaluator, pass_at_k
 from mopd_jax.models.tokenizer import CharTokenizer
 
@@ -59,6 +59,8 @@ def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
   if samples < 0:
     raise ConfigError(f"--samples: {samples} must be >= 0")
   config = runs.load_run_config(run_dir)
+  path = output_path(run_dir, num_prompts, output)
+  _check_writable(path, "--output" if output else "--run")
   runs.check_same_tokens(run_dir, config, CharTokenizer(), "--run")
   config.data.eval_jsonl = ""
   config.data.test_examples = max(num_prompts, config.data.test_examples)
@@ -69,15 +71,27 @@ def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
     test = {d: list(exs)[:num_prompts]
             for d, exs in splits.eval_sets(config, domains).items()}
     eval_fn = evaluator.make_eval_fn(config, model_cfg, tokenizer, test, mesh)
-    step = config.train.steps if "train" in config else 0
+    step = checkpointing.newest_step(run_dir)  # the one loaded
     scalars = eval_fn({"params": params}, step)
     if samples:
       scalars.update(_coverage(config, params, model_cfg, tokenizer, test,
                                mesh, samples))
-  path = output_path(run_dir, num_prompts, output)
   training.write_json_atomic(path, {"step": step, **scalars})
   print(f"wrote {path}")
   return scalars
+
+
+def _check_writable(path: str, flag: str) -> None:
+  """Before any work: ``path`` can be written (its folder exists and is
+  writable, and it is not a folder itself)."""
+  folder = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+  if not os.path.isdir(folder):
+    raise ConfigError(f"{flag}: cannot write {path}: {folder} is not a"
+                      " directory")
+  if os.path.isdir(path) or not os.access(folder, os.W_OK):
+    raise ConfigError(f"{flag}: cannot write {path}"
+                      + (": it is a directory" if os.path.isdir(path)
+                         else f": {folder} is not writable"))
 
 
 def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):
@@ -96,16 +110,10 @@ def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):
           for k, v in by_k.items()}
 
 
-def main(argv) -> None:
-  if len(argv) > 1:
-    fail(f"unexpected arguments: {' '.join(argv[1:])}")
-  logging.set_verbosity(logging.WARNING)
-  try:
-    evaluate_run(_RUN.value, _NUM_PROMPTS.value, _DOMAINS.value,
-                 _OUTPUT.value, _SAMPLES.value)
-  except UserError as e:
-    fail(str(e))
+def main() -> None:
+  evaluate_run(_RUN.value, _NUM_PROMPTS.value, _DOMAINS.value, _OUTPUT.value,
+               _SAMPLES.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

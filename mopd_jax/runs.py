@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Sequence
 
 import jax
@@ -19,6 +20,7 @@ import ml_collections
 from mopd_jax import checkpointing, checksum, parallel
 from mopd_jax import config as config_lib
 from mopd_jax.atomic import write_json_atomic
+from mopd_jax.training import SUMMARY_FILE
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
@@ -55,7 +57,23 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
       f.name for f in dataclasses.fields(ModelConfig)})
   if unknown:
     raise CheckpointError(f"{path}: model.{unknown[0]}: unknown field")
+  for field in dataclasses.fields(ModelConfig):
+    if field.name in saved["model"] and not _is_a(saved["model"][field.name],
+                                                   field.type):
+      raise CheckpointError(
+          f"{path}: model.{field.name}: expected {field.type}, got"
+          f" {saved['model'][field.name]!r}")
   return ml_collections.ConfigDict(saved)
+
+
+def _is_a(value, kind: str) -> bool:
+  """Whether a JSON ``value`` fits a ModelConfig field annotated ``kind``
+  (an int is a float; a bool is no number)."""
+  if isinstance(value, bool):
+    return kind == "bool"
+  return {"int": isinstance(value, int),
+          "float": isinstance(value, (int, float)),
+          "str": isinstance(value, str)}.get(kind, False)
 
 
 def check_same_tokens(run_dir: str, run_config, tokenizer, field: str) -> None:
@@ -203,12 +221,25 @@ def init_params(model_cfg, mesh, seed: int):
 
 
 def load_params(run_dir: str, model_cfg, mesh):
-  """The final parameters of an earlier run, sharded over ``mesh``."""
+  """The final parameters of an earlier run, sharded over ``mesh``; a run
+  that has not finished (no summary.json) gives its newest checkpoint,
+  with a warning line naming the step."""
   like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                          sharding=sh),
                       param_shapes(model_cfg),
                       param_shardings(model_cfg, mesh))
-  return checkpointing.load_params(run_dir, like)
+  params = checkpointing.load_params(run_dir, like)
+  if not finished(run_dir):
+    print(f"warning: {run_dir} has not finished (no {SUMMARY_FILE}); using"
+          f" its newest checkpoint, step {checkpointing.newest_step(run_dir)}",
+          file=sys.stderr)
+  return params
+
+
+def finished(run_dir: str) -> bool:
+  """Whether the run in ``run_dir`` ended (its summary is written last)."""
+  return os.path.exists(os.path.join(os.path.expanduser(run_dir),
+                                     SUMMARY_FILE))
 
 
 def check_same_model(run_dir: str, run_config, model_cfg, field: str) -> None:

@@ -1,13 +1,17 @@
 """``python -m mopd_jax.evaluate`` on a finished smoke run: with the run's
 own evaluation size it reproduces the run's final ``eval.json`` exactly (the
 same prompts, keys and parameters) plus pass@k that never falls with k, it
-adds a file without touching the rest of the run, and a missing run is one
-line with exit code 2."""
+adds a file without touching the rest of the run; an unfinished run is
+evaluated at its newest checkpoint, named; bad input is one line with exit
+code 2 before any work."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT
 
@@ -40,8 +44,36 @@ def test_evaluate_reproduces_the_runs_final_evaluation(smoke_run, tmp_path,
   assert [str(p) for p in set(after) - set(before)] == ["eval_8.json"]
 
 
-def test_evaluate_a_missing_run_is_one_line(tmp_path, cached_env):
-  result = _evaluate(f"--run={tmp_path / 'nothing'}", env=cached_env)
+@pytest.mark.parametrize("args, needle", [
+    (("--run={nothing}",), "not a mopd_jax run directory"),
+    (("--run={run}", "--num_promps=8"), "Unknown command line flag"
+     " 'num_promps'"),
+    (("--num_prompts=8",), "--run must have a value"),
+    (("--run={run}", "--output={nothing}/out.json"),
+     "--output: cannot write {nothing}/out.json: {nothing} is not a"
+     " directory"),
+    (("--run={run}", "--output={run}"), "--output: cannot write {run}: it"
+     " is a directory")])
+def test_evaluate_bad_input_is_one_line_before_any_work(
+    smoke_run, tmp_path, cached_env, args, needle):
+  names = dict(nothing=tmp_path / "nothing", run=smoke_run[0])
+  result = _evaluate(*(a.format(**names) for a in args), env=cached_env)
   assert result.returncode == 2 and "Traceback" not in result.stderr
   lines = [l for l in result.stderr.splitlines() if l.strip()]
-  assert len(lines) == 1 and "not a mopd_jax run directory" in lines[0], lines
+  assert len(lines) == 1 and needle.format(**names) in lines[0], lines
+
+
+def test_evaluate_an_unfinished_run_names_the_step_it_used(
+    smoke_run, tmp_path, cached_env):
+  """A run stopped after its step-2 checkpoint: its newest checkpoint,
+  labelled with its own step, and a warning line saying so."""
+  run = tmp_path / "run"
+  shutil.copytree(smoke_run[0], run)
+  os.remove(run / "summary.json")
+  shutil.rmtree(run / "ckpt" / "4")
+  result = _evaluate(f"--run={run}", "--num_prompts=2", "--domains=add",
+                     env=cached_env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (f"warning: {run} has not finished (no summary.json); using its"
+          " newest checkpoint, step 2") in result.stderr
+  assert json.load(open(run / "eval_2.json"))["step"] == 2

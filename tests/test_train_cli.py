@@ -4,6 +4,7 @@ instead of restarting. The notebook in colabs/ runs on what it wrote. A
 resume of another model, an init run with other token ids and a diverging
 run stop with one line and exit code 2, damaging nothing."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ from conftest import (ROOT, load_config, pretrain_smoke_command,
                       run_notebook, train_cli)
 from mopd_jax import config as config_lib
 from mopd_jax import runs
+from mopd_jax.errors import CheckpointError
+from mopd_jax.models.config import ModelConfig
 
 
 def test_pretrain_smoke_writes_everything(smoke_run):
@@ -163,3 +166,24 @@ def test_diverging_run_stops_with_exit_2(tmp_path, data_dir, cached_env):
   assert [r["skipped_updates"] for r in records] == [0.0, 1.0, 1.0]
   assert sorted(os.listdir(run / "ckpt")) == ["1", "2"]
   assert not os.path.exists(run / "summary.json")
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("embed_dim", "32", "int"), ("rope_theta", "1e4", "float"),
+    ("num_layers", True, "int"), ("qk_norm", 1, "bool"),
+    ("dtype", 16, "str")])
+def test_init_config_with_a_wrongly_typed_model_field_is_one_line(
+    tmp_path, field, value, kind):
+  saved = {"model": dict(dataclasses.asdict(ModelConfig()), **{field: value})}
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  with pytest.raises(CheckpointError) as error:
+    runs.load_run_config(str(tmp_path))
+  assert str(error.value) == (f"{tmp_path}/config.json: model.{field}:"
+                              f" expected {kind}, got {value!r}")
+
+
+def test_every_default_model_field_has_its_type(tmp_path):
+  model = dict(dataclasses.asdict(ModelConfig()), rope_theta=10000)
+  (tmp_path / "config.json").write_text(json.dumps({"model": model}))
+  # an int where a float is due is still a number
+  assert runs.load_run_config(str(tmp_path)).model.to_dict() == model

@@ -27,13 +27,12 @@ import os
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags
 
-from mopd_jax import parallel, runs
+from mopd_jax import cli, parallel, runs
 from mopd_jax.atomic import write_bytes_atomic, write_json_atomic
 from mopd_jax.checksum import named_leaves
 from mopd_jax.data.domains import TRAIN_DOMAINS
-from mopd_jax.errors import UserError, fail
 from mopd_jax.evaluation.figures import png_bytes, pyplot
 from mopd_jax.fusion.teachers import parse_teachers
 from mopd_jax.models.config import ModelConfig
@@ -232,17 +231,10 @@ def from_runs(init: str, experts: str, domains: Sequence[str],
         model_cfg.embed_dim, lambda n: n.startswith("layers/"), tolerance)
 
 
-def main(argv) -> None:
-  if len(argv) > 1:
-    fail(f"unexpected arguments: {' '.join(argv[1:])}")
-  logging.set_verbosity(logging.WARNING)
+def main() -> None:
   values = flags.FLAGS
-  try:
-    found = from_runs(values.init, values.experts, values.domains,
-                      values.tolerance)
-    write(values.out, found)
-  except UserError as e:
-    fail(str(e))
+  write(values.out, from_runs(values.init, values.experts, values.domains,
+                              values.tolerance))
   print(f"wrote {os.path.join(values.out, GEOMETRY_FILE)}")
 
 
@@ -254,4 +246,4 @@ if __name__ == "__main__":
   flags.DEFINE_list("domains", list(TRAIN_DOMAINS), "The experts' domains.")
   flags.DEFINE_float("tolerance", 0.0, "|tau| above it counts as changed.")
   flags.mark_flags_as_required(["init", "experts", "out"])
-  app.run(main)
+  cli.run(main)

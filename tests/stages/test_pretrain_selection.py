@@ -76,6 +76,8 @@ def test_target_never_reached_is_one_line_exit_2(tmp_path, data_dir):
                      "--config.select.target=0.5")
   assert result.returncode == 2
   assert "Traceback" not in result.stderr
+  # library chatter (absl warnings of TFDS) stays off stderr
+  assert "Using custom data configuration" not in result.stderr
   assert result.stderr.strip().splitlines()[-1:] == [
       "error: select.target: 0.5 not reached by step 4 (greedy validation"
       " accuracy add 0.000, chain 0.000, instruct 0.000, sort 0.000); raise"

@@ -1,0 +1,65 @@
+"""What every command-line entry point (``train``, ``evaluate``, the
+geometry report) shares: a bad flag, a problem with the user's input or an
+interrupt is one ``error:`` line and exit code 2, and library chatter
+(absl warnings such as TFDS's notes on dataset configurations) stays off
+stderr unless ``--verbosity`` asks for it."""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from absl import app, flags, logging
+
+from mopd_jax.errors import UserError, fail
+
+
+def flag_error(error: Exception, argv) -> str:
+  """One line for an exception raised while parsing flags and config
+  overrides."""
+  text = str(error)
+  if "attribute 'get_config'" in text:
+    return ("--config: the config file defines no get_config(variant)"
+            " function")
+  if isinstance(error, (AttributeError, KeyError)):  # unknown config field
+    field = re.search(r"[A-Za-z_][A-Za-z0-9_]*", text)
+    field = field.group() if field else "?"
+    path = next((a.split("=", 1)[0][len("--config."):] for a in argv
+                 if a.startswith("--config.") and a.split("=", 1)[0].endswith(
+                     "." + field)), field)
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    return f"{path}: unknown field" + (
+        f" (did you mean {hint.group(1)!r}?)" if hint else "")
+  if "Traceback (most recent call last)" in text:
+    # A config file's get_config raised: its message, without the trace.
+    head = text.split(": Error whilst parsing config file", 1)[0]
+    last = [l.strip() for l in text.splitlines() if l.strip()][-1]
+    return f"{head}: {last}"
+  return " ".join(text.split()) or type(error).__name__
+
+
+def parse_flags(argv):
+  # Everything raised here comes from the command line or a config file
+  # (unknown flag or override, bad value, broken config file).
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # pylint: disable=broad-except
+    fail(flag_error(e, argv))
+
+
+def run(main: Callable[[], None]) -> None:
+  """``absl.app.run`` of ``main()`` with the contract above."""
+
+  def wrapped(argv) -> None:
+    if len(argv) > 1:
+      fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not flags.FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.ERROR)
+    try:
+      main()
+    except UserError as e:
+      fail(str(e))
+    except KeyboardInterrupt:
+      fail("interrupted; the same command resumes from the last checkpoint")
+
+  app.run(wrapped, flags_parser=parse_flags)
