@@ -18,7 +18,8 @@ from mopd_jax.models.tokenizer import ALPHABET
 _FIELDS = ("prompt", "answer", "domain")
 
 
-def load_jsonl(path: str, alphabet: str | None = ALPHABET) -> list[Example]:
+def load_jsonl(path: str, alphabet: str | None = ALPHABET,
+               max_prompt_len: int | None = None) -> list[Example]:
   """The examples of the JSONL file at ``path``; blank lines are skipped.
 
   Keys other than the three fields (an id, say) are ignored. ``prompt`` and
@@ -26,6 +27,10 @@ def load_jsonl(path: str, alphabet: str | None = ALPHABET) -> list[Example]:
   tokenizer's by default; None skips the check, for a tokenizer that can
   encode any text). A reference ``answer`` must score 1.0 under its domain's
   verifier, since a prompt that no completion can solve would only add noise.
+  With the character tokenizer a prompt takes ``1 + len(prompt)`` tokens
+  (BOS first), which must fit ``max_prompt_len`` when given: a prompt that
+  cannot be encoded is found here, not at the first evaluation after
+  training.
   """
   try:
     with open(path, "rb") as f:
@@ -33,11 +38,17 @@ def load_jsonl(path: str, alphabet: str | None = ALPHABET) -> list[Example]:
   except OSError as e:
     raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
   allowed = None if alphabet is None else frozenset(alphabet)
-  examples = [
-      _parse_line(raw, f"{path}:{lineno}", allowed)
-      for lineno, raw in enumerate(lines, start=1)
-      if raw.strip()
-  ]
+  examples = []
+  for lineno, raw in enumerate(lines, start=1):
+    if not raw.strip():
+      continue
+    example = _parse_line(raw, f"{path}:{lineno}", allowed)
+    tokens = 1 + len(example.prompt)
+    if max_prompt_len and alphabet is not None and tokens > max_prompt_len:
+      raise DataError(f"{path}:{lineno}: field 'prompt': {tokens} tokens"
+                      f" (with BOS) exceed data.max_prompt_len="
+                      f"{max_prompt_len}")
+    examples.append(example)
   if not examples:
     raise DataError(f"{path}: no examples")
   return examples

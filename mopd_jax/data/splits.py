@@ -29,6 +29,7 @@ def eval_sets(config, names: Sequence[str]) -> dict:
   if not config.data.eval_jsonl:
     return domain_splits(config, names, "test")
   sets: dict = {}
-  for example in load_jsonl(os.path.expanduser(config.data.eval_jsonl)):
+  for example in load_jsonl(os.path.expanduser(config.data.eval_jsonl),
+                            max_prompt_len=config.data.max_prompt_len):
     sets.setdefault(example.domain, []).append(example)
   return sets

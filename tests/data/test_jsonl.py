@@ -73,3 +73,14 @@ def test_missing_file_and_empty_file(tmp_path):
     load_jsonl(missing)
   with pytest.raises(DataError, match="no examples"):
     load_jsonl(_write(tmp_path, ["", "  "]))
+
+
+def test_prompt_longer_than_max_prompt_len_names_file_and_line(tmp_path):
+  """Found at load (before any training), not at the first evaluation."""
+  long = {**GOOD, "prompt": "add 1+2=" + " " * 16}  # 1 + 24 tokens
+  path = _write(tmp_path, [json.dumps(GOOD), json.dumps(long)])
+  with pytest.raises(DataError) as info:
+    load_jsonl(path, max_prompt_len=24)
+  assert str(info.value) == (f"{path}:2: field 'prompt': 25 tokens (with BOS)"
+                             " exceed data.max_prompt_len=24")
+  assert len(load_jsonl(path, max_prompt_len=25)) == 2
