@@ -83,9 +83,12 @@ class Checkpointer:
     if not (force or self.due(step)):
       return False
     loop = dict(loop or {}, **{CHECKSUM: tree_checksum(state["params"])})
-    return self._manager.save(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardSave(state),
-        LOOP: ocp.args.JsonSave(loop)}), force=force)
+    try:
+      return self._manager.save(step, args=ocp.args.Composite(**{
+          STATE: ocp.args.StandardSave(state),
+          LOOP: ocp.args.JsonSave(loop)}), force=force)
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(self._save_failed(step, e)) from None
 
   def restore_latest(self, state_like: Any) -> tuple[int, Any, dict] | None:
     """``(step, state, loop)`` of the newest readable checkpoint, with the
@@ -125,10 +128,25 @@ class Checkpointer:
     self._manager.reload()
     return f"moved to {target}"
 
+  def _save_failed(self, step: int | None, error: Exception) -> str:
+    # From the folder: the manager's own list is not reliable after a
+    # failed save.
+    kept = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+    by = f" by step {step}" if step is not None else ""
+    return (f"{self.directory}: a checkpoint save failed{by}"
+            f" ({_reason(error)}); " + (
+                f"the checkpoint of step {kept[-1]} is intact" if kept
+                else "no checkpoint was written") +
+            "; free space or fix the permissions, then run the same command")
+
   def close(self) -> None:
-    """Wait for saves in flight to complete."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Wait for saves in flight to complete; a failed one is a
+    ``CheckpointError``."""
+    try:
+      self._manager.wait_until_finished()
+      self._manager.close()
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(self._save_failed(None, e)) from None
 
 
 def load_params(run_dir: str, params_like: Any) -> Any:

@@ -6,7 +6,9 @@ stderr unless ``--verbosity`` asks for it."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from typing import Callable
 
 from absl import app, flags, logging
@@ -54,12 +56,24 @@ def run(main: Callable[[], None]) -> None:
     if len(argv) > 1:
       fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not flags.FLAGS["verbosity"].present:
-      logging.set_verbosity(logging.ERROR)
+      # Library logs, errors included (Orbax logs a failed background save
+      # with its traceback), would bury the one line that says what to do.
+      logging.set_verbosity(logging.FATAL)
     try:
       main()
     except UserError as e:
-      fail(str(e))
+      _exit(str(e))
     except KeyboardInterrupt:
-      fail("interrupted; the same command resumes from the last checkpoint")
+      _exit("interrupted; the same command resumes from the last checkpoint")
 
   app.run(wrapped, flags_parser=parse_flags)
+
+
+def _exit(message: str) -> None:
+  """The error line and exit code 2, now: after a failed save Orbax's
+  signalling threads wait forever for a commit that never comes, and a
+  normal exit would join them (our own files are closed by then)."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(2)  # pylint: disable=protected-access

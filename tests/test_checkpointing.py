@@ -171,7 +171,9 @@ def test_a_failed_save_never_costs_the_last_good_checkpoint(tmp_path):
   # keep=1 would delete step 2 once step 4 is complete; the save of step 4
   # fails in the background (a set is not JSON), so it never is.
   ckpt.save(4, _state(4.0), loop={"bad": {1, 2}})
-  with pytest.raises(TypeError):
+  with pytest.raises(CheckpointError, match=(
+      "a checkpoint save failed .TypeError.*; the checkpoint of step 2 is"
+      " intact")):
     ckpt.close()
   ckpt = Checkpointer(str(tmp_path), every=1, keep=1)
   step, state, _ = ckpt.restore_latest(_state(0.0))

@@ -187,3 +187,28 @@ def test_every_default_model_field_has_its_type(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"model": model}))
   # an int where a float is due is still a number
   assert runs.load_run_config(str(tmp_path)).model.to_dict() == model
+
+
+def test_a_failed_save_is_one_line_and_exits_promptly(tmp_path, data_dir,
+                                                       cached_env):
+  """A checkpoint folder nothing can be written into (immutable): the run
+  ends with one line and exit code 2 instead of hanging on Orbax's threads,
+  and leaves the folder empty."""
+  run = tmp_path / "run"
+  (run / "ckpt").mkdir(parents=True)
+  if subprocess.run(["chattr", "+i", str(run / "ckpt")],
+                    capture_output=True).returncode:
+    pytest.skip("chattr +i is not available here")
+  try:
+    result = subprocess.run(pretrain_smoke_command(run, data_dir),
+                            capture_output=True, text=True, timeout=120,
+                            env=cached_env, cwd=ROOT)
+  finally:
+    subprocess.run(["chattr", "-i", str(run / "ckpt")], check=True)
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  line = result.stderr.strip().splitlines()[-1]
+  assert line.startswith(f"error: {run}/ckpt: a checkpoint save failed by"
+                         " step ") and line.endswith(
+                             "no checkpoint was written; free space or fix"
+                             " the permissions, then run the same command")
+  assert os.listdir(run / "ckpt") == []
