@@ -16,6 +16,9 @@ directory.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import sys
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -155,13 +158,48 @@ def load_split(domain: str,
   if min(num_train, num_test) < 1 or seed < 0:
     raise DataError(f"need num_train, num_test >= 1 and seed >= 0, got"
                     f" num_train={num_train}, num_test={num_test}, seed={seed}")
-  builder = MopdDomains(
-      config=_config_for(domain, num_train, num_test, seed),
-      data_dir=data_dir,
-      file_format="array_record")
+  config = _config_for(domain, num_train, num_test, seed)
+  try:
+    return _open(config, split, data_dir)
+  except DataError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    damaged = _cache_dir(config, data_dir)
+    if not os.path.isdir(damaged):  # nothing of ours there: the folder
+      raise DataError(f"data.data_dir: cannot build the {domain!r} dataset"
+                      f" in {data_dir} ({_reason(e)})") from None
+    # Derived data: rebuilt rather than trusted or reported.
+    print(f"warning: the {domain!r} dataset in {damaged} is unreadable"
+          f" ({_reason(e)}); rebuilding it", file=sys.stderr)
+  try:
+    shutil.rmtree(damaged)
+    return _open(config, split, data_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    raise DataError(f"data.data_dir: cannot rebuild the {domain!r} dataset"
+                    f" in {damaged} ({_reason(e)})") from None
+
+
+def _cache_dir(config: DomainConfig, data_dir: str) -> str:
+  """Where the built dataset of ``config`` lives (all its versions)."""
+  return os.path.join(os.path.expanduser(data_dir), MopdDomains.name,
+                      config.name)
+
+
+def _open(config: DomainConfig, split: str, data_dir: str) -> ExampleSource:
+  """The split, built first if needed; its first and last records are read,
+  so that a truncated file fails here, not in the middle of a run."""
+  builder = MopdDomains(config=config, data_dir=data_dir,
+                        file_format="array_record")
   if not builder.is_prepared():
-    print(f"building the {domain!r} dataset in {builder.data_dir}")
+    print(f"building the {config.domain!r} dataset in {builder.data_dir}")
     # TFDS's own per-shard progress bars would bury the training output.
     tfds.display_progress_bar(False)
     builder.download_and_prepare(file_format="array_record")
-  return ExampleSource(builder.as_data_source(split))
+  source = ExampleSource(builder.as_data_source(split))
+  _ = source[0], source[-1]
+  return source
+
+
+def _reason(error: Exception) -> str:
+  return (f"{type(error).__name__}: "
+          + (str(error).strip().splitlines() or [""])[0][:200])

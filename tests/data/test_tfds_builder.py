@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -62,3 +63,43 @@ def test_bad_arguments(tmp_path):
     tfds_builder.load_split("add", "train", str(tmp_path), num_test=0)
   with pytest.raises(DataError, match="seed >= 0"):
     tfds_builder.load_split("add", "train", str(tmp_path), seed=-1)
+
+
+def _built(data_dir):
+  """A small built ``add`` dataset in ``data_dir`` and its version folder."""
+  source = tfds_builder.load_split("add", "train", str(data_dir),
+                                   num_train=64, num_test=16)
+  folder = os.path.join(str(data_dir), "mopd_domains",
+                        "add_seed0_train64_test16",
+                        str(tfds_builder.MopdDomains.VERSION))
+  return [source[i] for i in range(len(source))], folder
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage_info"])
+def test_a_damaged_cache_is_rebuilt_with_a_warning(tmp_path, capsys, damage):
+  """The built dataset is derived data: damaged, it is rebuilt (a warning
+  line), never served or reported as the user's error."""
+  examples, folder = _built(tmp_path)
+  if damage == "truncate":
+    path = os.path.join(folder, next(n for n in os.listdir(folder)
+                                     if "train.array_record" in n))
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+  else:
+    with open(os.path.join(folder, "dataset_info.json"), "w") as f:
+      f.write("garbage{")
+  capsys.readouterr()
+  again, _ = _built(tmp_path)
+  assert again == examples
+  err = capsys.readouterr().err
+  assert "warning: the 'add' dataset in" in err and "rebuilding it" in err
+
+
+def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
+  path = tmp_path / "file"
+  path.write_text("x")
+  with pytest.raises(DataError, match=(
+      f"data.data_dir: cannot build the 'add' dataset in {path}"
+      " .NotADirectoryError")):
+    tfds_builder.load_split("add", "train", str(path), num_train=64,
+                            num_test=16)
