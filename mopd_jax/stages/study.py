@@ -87,7 +87,6 @@ class Study:
                      for d in self.domains})
     self.template = ",".join(f"{d}={p}" for d, p in self.experts.items())
     self.variant = config.variant
-    self.started = time.perf_counter()
 
   def models(self) -> dict[str, str]:
     """``{model name: run dir}`` of every model the study compares."""
@@ -111,12 +110,6 @@ class Study:
                           self.config.overrides.get(name, ()), **fields)
     stages.run(config, workdir)
 
-  def progress(self, done: int, total: int, label: str) -> None:
-    elapsed = time.perf_counter() - self.started
-    eta = elapsed / done * (total - done) if done else float("nan")
-    print(f"\nstudy [{done + 1}/{total}] {label}  (elapsed"
-          f" {elapsed / 60:.1f} min" + (f", ETA {eta / 60:.1f} min"
-                                        if done else "") + ")", flush=True)
 
 
 def _tasks(study: Study):
@@ -178,14 +171,39 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
                  samples=c.samples)
 
 
+# Minutes each kind of task took in the default study on the 2-core CPU
+# (docs/results.md): the ETA's prior, rescaled by this machine's pace.
+MINUTES = {"base": 6.0, "experts": 5.0, "merge": 0.6, "mix_rl": 7.0,
+           "mopd": 8.0, "open_mopd": 8.0, "evaluate": 0.4, "report": 0.1}
+
+
+def eta_minutes(kinds, ran: list[tuple[str, float]]) -> float | None:
+  """Minutes left for the tasks of ``kinds`` (still to run): their
+  ``MINUTES`` times this machine's pace, ``sum(seconds) / sum(MINUTES)``
+  over the tasks that ``ran`` (``(kind, seconds)``; finished earlier ones
+  took no time and say nothing); None before any ran."""
+  if not ran:
+    return None
+  pace = sum(sec for _, sec in ran) / 60 / sum(MINUTES[k] for k, _ in ran)
+  return pace * sum(MINUTES[k] for k in kinds)
+
+
 def run(config, workdir: str):
-  """Run the selected steps in order; returns the results (or None
-  without the report step)."""
+  """Run the selected steps in order, with a progress line and an ETA
+  before each; returns the results (or None without the report step)."""
   study = Study(config, workdir)
   tasks = _tasks(study)
-  for i, (_, label, thunk) in enumerate(tasks):
-    study.progress(i, len(tasks), label)
+  started, ran = time.perf_counter(), []
+  for i, (kind, label, thunk) in enumerate(tasks):
+    eta = eta_minutes([k for k, _, _ in tasks[i:]], ran)
+    print(f"\nstudy [{i + 1}/{len(tasks)}] {label}  (elapsed"
+          f" {(time.perf_counter() - started) / 60:.1f} min"
+          + (f", ETA {eta:.1f} min" if eta is not None else "") + ")",
+          flush=True)
+    begun = time.perf_counter()
     thunk()
+    if time.perf_counter() - begun > 1.0:  # not one finished before
+      ran.append((kind, time.perf_counter() - begun))
   path = os.path.join(workdir, RESULTS_FILE)
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import ROOT, run_notebook, train_cli
 from mopd_jax.evaluation import report
+from mopd_jax.stages import study as study_stage
 
 MODELS = ("base", "expert/add", "expert/chain", "expert/instruct",
           "expert/sort", "merge/ties", "mix_rl",
@@ -141,3 +142,13 @@ def test_recommendation_names_the_best_of_each_paradigm():
   assert "mopd (mopd, 70.0%)" in rec["text"]
   assert "Merge costs 0.10x MOPD's compute" in rec["text"]
   assert "MOPD wins 2 of 2 domains" in rec["text"]
+
+
+def test_eta_is_the_priors_at_this_machines_pace():
+  assert study_stage.eta_minutes(["mopd"], []) is None
+  # base and one expert took 2x their prior here: the rest will too
+  ran = [("base", 2 * 60 * study_stage.MINUTES["base"]),
+         ("experts", 2 * 60 * study_stage.MINUTES["experts"])]
+  left = ["experts", "merge", "evaluate"]
+  assert study_stage.eta_minutes(left, ran) == pytest.approx(
+      2 * sum(study_stage.MINUTES[k] for k in left))
