@@ -14,6 +14,8 @@ import sys
 import pytest
 
 from conftest import ROOT
+from mopd_jax.errors import ConfigError
+from mopd_jax.evaluate import evaluate_run
 
 
 def _evaluate(*args, env):
@@ -47,20 +49,25 @@ def test_evaluate_reproduces_the_runs_final_evaluation(smoke_run, tmp_path,
 @pytest.mark.parametrize("args, needle", [
     (("--run={nothing}",), "not a mopd_jax run directory"),
     (("--run={run}", "--num_promps=8"), "Unknown command line flag"
-     " 'num_promps'"),
-    (("--num_prompts=8",), "--run must have a value"),
-    (("--run={run}", "--output={nothing}/out.json"),
-     "--output: cannot write {nothing}/out.json: {nothing} is not a"
-     " directory"),
-    (("--run={run}", "--output={run}"), "--output: cannot write {run}: it"
-     " is a directory")])
-def test_evaluate_bad_input_is_one_line_before_any_work(
-    smoke_run, tmp_path, cached_env, args, needle):
+     " 'num_promps'")])
+def test_evaluate_bad_input_is_one_line(smoke_run, tmp_path, cached_env,
+                                        args, needle):
   names = dict(nothing=tmp_path / "nothing", run=smoke_run[0])
   result = _evaluate(*(a.format(**names) for a in args), env=cached_env)
   assert result.returncode == 2 and "Traceback" not in result.stderr
   lines = [l for l in result.stderr.splitlines() if l.strip()]
   assert len(lines) == 1 and needle.format(**names) in lines[0], lines
+
+
+def test_evaluate_output_is_checked_before_any_work(smoke_run, tmp_path):
+  run, nothing = smoke_run[0], tmp_path / "nothing"
+  with pytest.raises(ConfigError, match=(
+      f"--output: cannot write {nothing}/out.json: {nothing} is not a"
+      " directory")):
+    evaluate_run(str(run), 8, ["add"], output=f"{nothing}/out.json")
+  with pytest.raises(ConfigError, match=f"--output: cannot write {run}: it"
+                     " is a directory"):
+    evaluate_run(str(run), 8, ["add"], output=str(run))
 
 
 def test_evaluate_an_unfinished_run_names_the_step_it_used(

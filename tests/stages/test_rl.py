@@ -118,7 +118,9 @@ def test_rollout_batch_drops_only_all_equal_groups(drop):
 
 
 @pytest.mark.parametrize("config, extra", [
-    ("grpo", ()), ("mix_rl", ()),
+    # an expert whose stop.gain is never reached ends at its last step
+    ("grpo", ("--config.stop.gain=0.5", "--config.stop.num_prompts=8")),
+    ("mix_rl", ()),
     ("grpo", ("--config.rl.beta=0.1", "--config.rl.tis_cap=2.0"))])
 def test_cli_trains_from_the_base_run(smoke_run, tmp_path, data_dir, config,
                                       extra, cached_env):
@@ -138,8 +140,12 @@ def test_cli_trains_from_the_base_run(smoke_run, tmp_path, data_dir, config,
                                                 "sort"]
   assert sum(step[f"share/prompts/{d}"] for d in domains) == pytest.approx(1)
   assert "eval/greedy/reverse/accuracy" in records[-1]  # forgetting watch
-  if extra:
+  if "--config.rl.beta=0.1" in extra:
     assert step["kl"] >= 0.0  # the reference forward pass ran
+  if "--config.stop.gain=0.5" in extra:
+    assert "stop.gain 0.5 not reached by step 4" in result.stdout
+    assert json.load(open(run / "eval.json"))["step"] == 4
+    assert "stopped" not in json.load(open(run / "summary.json"))
   saved = json.load(open(run / "config.json"))
   assert saved["model"] == json.load(open(base / "config.json"))["model"]
   assert sorted(os.listdir(run / "ckpt")) == ["2", "4"]
