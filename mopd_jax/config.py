@@ -26,6 +26,19 @@ from mopd_jax.rollout.sampler import SamplingConfig
 
 ALL_DOMAINS = tuple(DOMAINS)
 
+# (dotted field, predicate, what it must be): each section's checks sit
+# below the builder of its defaults; ``validate`` applies every one whose
+# field the config has.
+Checks = tuple[tuple[str, Callable[[Any], bool], str], ...]
+
+
+def _positive(v):
+  return v > 0
+
+
+def _non_negative(v):
+  return v >= 0
+
 
 def _model() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
@@ -75,6 +88,42 @@ def _common(method: str, init: bool) -> ml_collections.ConfigDict:
   return c
 
 
+_COMMON_CHECKS: Checks = (
+    ("seed", lambda v: 0 <= v < 2**31, "in [0, 2^31)"),
+    ("model.vocab_size", _positive, "> 0"),
+    ("model.embed_dim", _positive, "> 0"),
+    ("model.num_layers", _positive, "> 0"),
+    ("model.num_heads", _positive, "> 0"),
+    ("model.num_kv_heads", _positive, "> 0"),
+    ("model.head_dim", lambda v: v > 0 and v % 2 == 0, "positive and even"),
+    ("model.mlp_dim", _positive, "> 0"),
+    ("model.rope_theta", _positive, "> 0"),
+    ("model.dtype", lambda v: v in ("float32", "bfloat16"),
+     "float32 or bfloat16"),
+    ("model.param_dtype", lambda v: v in ("float32", "bfloat16"),
+     "float32 or bfloat16"),
+    ("init", lambda v: bool(v), "the workdir of the run to start from"),
+    ("data.domains", lambda v: len(v) > 0 and set(v) <= set(ALL_DOMAINS),
+     "a non-empty tuple of " + ", ".join(ALL_DOMAINS)),
+    ("data.weights", lambda v: all(w >= 0 for w in v) and (
+        not v or sum(v) > 0), "empty or non-negative with a positive sum"),
+    ("data.train_examples", _positive, "> 0"),
+    ("data.test_examples", lambda v: 0 < v <= 10_000,
+     "in [1, 10000] (prompts per held-out split)"),
+    ("data.max_prompt_len", _positive, "> 0"),
+    ("sampling.max_new_tokens", _positive, "> 0"),
+    ("sampling.temperature", _non_negative, ">= 0 (0: greedy)"),
+    ("sampling.top_k", _non_negative, ">= 0 (0 disables)"),
+    ("sampling.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("eval.num_prompts", _positive, "> 0"),
+    ("eval.batch_size", _positive, "> 0"),
+    ("eval.temperature", _non_negative, ">= 0"),
+    ("mesh.rules", lambda v: v in parallel.RULE_SETS,
+     " or ".join(parallel.RULE_SETS)),
+    ("distributed.num_processes", _non_negative, ">= 0 (0: detected)"),
+)
+
+
 def _training(c: ml_collections.ConfigDict, steps: int, rl: bool) -> None:
   """The sections of a method that trains: the step loop, the optimiser,
   checkpoints and the fused vocabulary ops of its loss."""
@@ -98,6 +147,29 @@ def _training(c: ml_collections.ConfigDict, steps: int, rl: bool) -> None:
   c.ops = ml_collections.ConfigDict(dict(impl="auto", block_v=0))
 
 
+_TRAINING_CHECKS: Checks = (
+    ("train.steps", _positive, "> 0"),
+    ("train.log_every", _positive, "> 0"),
+    ("train.eval_every", _non_negative, ">= 0 (0: only at the end)"),
+    ("train.max_consecutive_skips", _positive, "> 0"),
+    # float32 holds the rate: above its range it is inf on the device
+    ("optim.learning_rate", lambda v: 0 < v < 3.4e38,
+     "finite, > 0 and within float32"),
+    ("optim.warmup_steps", _non_negative, ">= 0"),
+    ("optim.end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("optim.decay_steps", _non_negative, ">= 0 (0: the whole run)"),
+    ("optim.weight_decay", _non_negative, ">= 0"),
+    ("optim.b1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.b2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.grad_clip", _non_negative, ">= 0 (0 disables)"),
+    ("checkpoint.every", _positive, "> 0"),
+    ("checkpoint.keep", _positive, "> 0"),
+    ("ops.impl", lambda v: v in ("auto", "xla", "pallas"),
+     "auto, xla or pallas"),
+    ("ops.block_v", _non_negative, ">= 0 (0: the op's default)"),
+)
+
+
 def _pretrain() -> ml_collections.ConfigDict:
   """Supervised next-token training of a ``model`` built from scratch on
   every domain's demonstrations."""
@@ -115,6 +187,15 @@ def _pretrain() -> ml_collections.ConfigDict:
   c.select = ml_collections.ConfigDict(dict(
       target=0.0, ceiling=1.0, hold_weight=0.1, num_prompts=256))
   return c
+
+
+_PRETRAIN_CHECKS: Checks = (
+    ("train.batch_size", _positive, "> 0"),
+    ("select.target", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+    ("select.ceiling", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("select.num_prompts", _positive, "> 0"),
+    ("select.hold_weight", lambda v: 0 < v <= 1, "in (0, 1]"),
+)
 
 
 def _on_policy(method: str) -> ml_collections.ConfigDict:
@@ -148,6 +229,29 @@ def _on_policy(method: str) -> ml_collections.ConfigDict:
   return c
 
 
+_ON_POLICY_CHECKS: Checks = (
+    ("eval.domains", lambda v: len(v) > 0 and set(v) <= set(ALL_DOMAINS),
+     "a non-empty tuple of " + ", ".join(ALL_DOMAINS)),
+    ("rl.group_size", lambda v: v >= 2, ">= 2"),
+    ("rl.prompts_per_step", _positive, "> 0"),
+    ("rl.epochs", _positive, "> 0"),
+    ("rl.minibatches", _positive, "> 0"),
+    ("rl.advantage", lambda v: v in grpo.ADVANTAGES,
+     " or ".join(grpo.ADVANTAGES)),
+    ("rl.advantage_eps", _positive, "> 0"),
+    ("rl.eps_low", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("rl.eps_high", _non_negative, ">= 0"),
+    ("rl.dual_clip", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+    ("rl.tis_cap", _non_negative, ">= 0 (0 disables)"),
+    ("rl.beta", _non_negative, ">= 0"),
+    ("rl.kl_estimator", lambda v: v in grpo.KL_ESTIMATORS,
+     " or ".join(grpo.KL_ESTIMATORS)),
+    ("rl.entropy_coef", _non_negative, ">= 0"),
+    ("rl.aggregation", lambda v: v in grpo.AGGREGATIONS,
+     " or ".join(grpo.AGGREGATIONS)),
+)
+
+
 def _grpo() -> ml_collections.ConfigDict:
   """One ``domain``'s expert."""
   c = _on_policy("grpo")
@@ -160,6 +264,13 @@ def _grpo() -> ml_collections.ConfigDict:
   return c
 
 
+_GRPO_CHECKS: Checks = (
+    ("domain", lambda v: v in ALL_DOMAINS, "one of " + ", ".join(ALL_DOMAINS)),
+    ("stop.gain", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+    ("stop.num_prompts", _positive, "> 0"),
+)
+
+
 def _mix_rl() -> ml_collections.ConfigDict:
   """GRPO on the pooled ``data.domains``, drawn by ``data.weights`` or by
   the adaptive ``mixture``."""
@@ -169,6 +280,13 @@ def _mix_rl() -> ml_collections.ConfigDict:
   c.mixture = ml_collections.ConfigDict(dict(
       adaptive=False, exploration=0.5, floor=0.05, momentum=0.9))
   return c
+
+
+_MIX_RL_CHECKS: Checks = (
+    ("mixture.exploration", _non_negative, ">= 0"),
+    ("mixture.floor", _non_negative, ">= 0"),
+    ("mixture.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+)
 
 
 def _merge() -> ml_collections.ConfigDict:
@@ -200,6 +318,22 @@ def _merge() -> ml_collections.ConfigDict:
       "sweep_prompts": 128,
   })
   return c
+
+
+_MERGE_CHECKS: Checks = (
+    ("merge.method", lambda v: v in merge.METHODS,
+     "one of " + ", ".join(merge.METHODS)),
+    ("merge.density", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("merge.gamma", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("merge.t", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("merge.tolerance", _non_negative, ">= 0"),
+    ("merge.normalize", lambda v: v in merge.NORMALIZE,
+     " or ".join(merge.NORMALIZE)),
+    ("merge.sweep_lambdas", lambda v: len(v) > 0, "a non-empty tuple"),
+    ("merge.sweep_densities", lambda v: len(v) > 0 and all(
+        0 < d <= 1 for d in v), "a non-empty tuple of values in (0, 1]"),
+    ("merge.sweep_prompts", _positive, "> 0"),
+)
 
 
 def _study() -> ml_collections.ConfigDict:
@@ -241,6 +375,12 @@ def _study() -> ml_collections.ConfigDict:
   c.distributed = ml_collections.ConfigDict(dict(
       enabled=False, coordinator_address="", num_processes=0, process_id=-1))
   return c
+
+
+_STUDY_CHECKS: Checks = (
+    ("merge_methods", lambda v: set(v) <= set(merge.METHODS),
+     "a tuple of " + ", ".join(merge.METHODS)),
+)
 
 
 def _mopd_method() -> ml_collections.ConfigDict:
@@ -314,113 +454,9 @@ def _mopd(c: ml_collections.ConfigDict) -> None:
   ))
 
 
-def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
-  """The sizes every ``:smoke`` variant shares: 4 steps, tiny data, an
-  evaluation and a checkpoint every 2 steps (seconds on a CPU, for tests)."""
-  config.data.update(train_examples=64, test_examples=16)
-  config.train.update(steps=4, log_every=2, eval_every=2)
-  config.checkpoint.update(every=2, keep=2)
-  config.eval.update(num_prompts=8, batch_size=8)
-
-
-def _positive(v):
-  return v > 0
-
-
-def _non_negative(v):
-  return v >= 0
-
-
-# (dotted field, predicate, what it must be)
-_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("seed", lambda v: 0 <= v < 2**31, "in [0, 2^31)"),
-    ("model.vocab_size", _positive, "> 0"),
-    ("model.embed_dim", _positive, "> 0"),
-    ("model.num_layers", _positive, "> 0"),
-    ("model.num_heads", _positive, "> 0"),
-    ("model.num_kv_heads", _positive, "> 0"),
-    ("model.head_dim", lambda v: v > 0 and v % 2 == 0, "positive and even"),
-    ("model.mlp_dim", _positive, "> 0"),
-    ("model.rope_theta", _positive, "> 0"),
-    ("model.dtype", lambda v: v in ("float32", "bfloat16"),
-     "float32 or bfloat16"),
-    ("model.param_dtype", lambda v: v in ("float32", "bfloat16"),
-     "float32 or bfloat16"),
-    ("init", lambda v: bool(v), "the workdir of the run to start from"),
-    ("domain", lambda v: v in ALL_DOMAINS, "one of " + ", ".join(ALL_DOMAINS)),
-    ("data.domains", lambda v: len(v) > 0 and set(v) <= set(ALL_DOMAINS),
-     "a non-empty tuple of " + ", ".join(ALL_DOMAINS)),
-    ("data.weights", lambda v: all(w >= 0 for w in v) and (
-        not v or sum(v) > 0), "empty or non-negative with a positive sum"),
-    ("data.train_examples", _positive, "> 0"),
-    ("data.test_examples", lambda v: 0 < v <= 10_000,
-     "in [1, 10000] (prompts per held-out split)"),
-    ("data.max_prompt_len", _positive, "> 0"),
-    ("train.steps", _positive, "> 0"),
-    ("train.batch_size", _positive, "> 0"),
-    ("train.log_every", _positive, "> 0"),
-    ("train.eval_every", _non_negative, ">= 0 (0: only at the end)"),
-    ("train.max_consecutive_skips", _positive, "> 0"),
-    ("select.target", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
-    ("select.ceiling", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("select.num_prompts", _positive, "> 0"),
-    ("select.hold_weight", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("stop.gain", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
-    ("stop.num_prompts", _positive, "> 0"),
-    # float32 holds the rate: above its range it is inf on the device
-    ("optim.learning_rate", lambda v: 0 < v < 3.4e38,
-     "finite, > 0 and within float32"),
-    ("optim.warmup_steps", _non_negative, ">= 0"),
-    ("optim.end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("optim.decay_steps", _non_negative, ">= 0 (0: the whole run)"),
-    ("optim.weight_decay", _non_negative, ">= 0"),
-    ("optim.b1", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("optim.b2", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("optim.grad_clip", _non_negative, ">= 0 (0 disables)"),
-    ("checkpoint.every", _positive, "> 0"),
-    ("checkpoint.keep", _positive, "> 0"),
-    ("sampling.max_new_tokens", _positive, "> 0"),
-    ("sampling.temperature", _non_negative, ">= 0 (0: greedy)"),
-    ("sampling.top_k", _non_negative, ">= 0 (0 disables)"),
-    ("sampling.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("eval.num_prompts", _positive, "> 0"),
-    ("eval.batch_size", _positive, "> 0"),
-    ("eval.temperature", _non_negative, ">= 0"),
-    ("eval.domains", lambda v: len(v) > 0 and set(v) <= set(ALL_DOMAINS),
-     "a non-empty tuple of " + ", ".join(ALL_DOMAINS)),
-    ("rl.group_size", lambda v: v >= 2, ">= 2"),
-    ("rl.prompts_per_step", _positive, "> 0"),
-    ("rl.epochs", _positive, "> 0"),
-    ("rl.minibatches", _positive, "> 0"),
-    ("rl.advantage", lambda v: v in grpo.ADVANTAGES,
-     " or ".join(grpo.ADVANTAGES)),
-    ("rl.advantage_eps", _positive, "> 0"),
-    ("rl.eps_low", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("rl.eps_high", _non_negative, ">= 0"),
-    ("rl.dual_clip", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
-    ("rl.tis_cap", _non_negative, ">= 0 (0 disables)"),
-    ("rl.beta", _non_negative, ">= 0"),
-    ("rl.kl_estimator", lambda v: v in grpo.KL_ESTIMATORS,
-     " or ".join(grpo.KL_ESTIMATORS)),
-    ("rl.entropy_coef", _non_negative, ">= 0"),
-    ("rl.aggregation", lambda v: v in grpo.AGGREGATIONS,
-     " or ".join(grpo.AGGREGATIONS)),
+_MOPD_CHECKS: Checks = (
     ("teachers", lambda v: bool(v), "the expert runs: a template with"
      " {domain} or domain=dir pairs"),
-    ("merge.method", lambda v: v in merge.METHODS,
-     "one of " + ", ".join(merge.METHODS)),
-    ("merge.density", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("merge.gamma", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("merge.t", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("merge.tolerance", _non_negative, ">= 0"),
-    ("merge.normalize", lambda v: v in merge.NORMALIZE,
-     " or ".join(merge.NORMALIZE)),
-    ("merge.sweep_lambdas", lambda v: len(v) > 0, "a non-empty tuple"),
-    ("merge.sweep_densities", lambda v: len(v) > 0 and all(
-        0 < d <= 1 for d in v), "a non-empty tuple of values in (0, 1]"),
-    ("merge.sweep_prompts", _positive, "> 0"),
-    ("merge_methods", lambda v: set(v) <= set(merge.METHODS),
-     "a tuple of " + ", ".join(merge.METHODS)),
     ("opd.router", lambda v: v == "oracle", "oracle"),
     ("opd.loss", lambda v: v in opd.LOSSES, " or ".join(opd.LOSSES)),
     ("opd.kl_alpha", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -440,16 +476,21 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("open_mopd.gap_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("open_mopd.gap_steers", lambda v: v in ("loss", "sampling", "both"),
      "loss, sampling or both"),
-    ("ops.impl", lambda v: v in ("auto", "xla", "pallas"),
-     "auto, xla or pallas"),
-    ("ops.block_v", _non_negative, ">= 0 (0: the op's default)"),
-    ("mesh.rules", lambda v: v in parallel.RULE_SETS,
-     " or ".join(parallel.RULE_SETS)),
-    ("distributed.num_processes", _non_negative, ">= 0 (0: detected)"),
-    ("mixture.exploration", _non_negative, ">= 0"),
-    ("mixture.floor", _non_negative, ">= 0"),
-    ("mixture.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
 )
+
+
+def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
+  """The sizes every ``:smoke`` variant shares: 4 steps, tiny data, an
+  evaluation and a checkpoint every 2 steps (seconds on a CPU, for tests)."""
+  config.data.update(train_examples=64, test_examples=16)
+  config.train.update(steps=4, log_every=2, eval_every=2)
+  config.checkpoint.update(every=2, keep=2)
+  config.eval.update(num_prompts=8, batch_size=8)
+
+
+_CHECKS: Checks = (_COMMON_CHECKS + _TRAINING_CHECKS + _PRETRAIN_CHECKS
+                   + _ON_POLICY_CHECKS + _GRPO_CHECKS + _MIX_RL_CHECKS
+                   + _MERGE_CHECKS + _STUDY_CHECKS + _MOPD_CHECKS)
 
 
 def _type_ok(default, value) -> bool:
