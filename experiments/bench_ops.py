@@ -33,11 +33,11 @@ def losses(args):
   ``data = (targets, teacher_h, teacher_w, c)`` is an argument, not a closed
   over constant, so XLA cannot fold the teacher's logits at compile time.
   """
-  tiles = {"impl": args.impl, "block_v": args.block_v}
+  ops = vocab.VocabOps(impl=args.impl, block_v=args.block_v)
 
   def logprobs_fused(h, w, data):
     targets, _, _, c = data
-    logp, ent = vocab.token_logprobs(h, w, targets, with_entropy=True, **tiles)
+    logp, ent = vocab.token_logprobs(h, w, targets, with_entropy=True, ops=ops)
     return jnp.sum(c * (logp + ent)), (logp, ent)
 
   def logprobs_naive(h, w, data):
@@ -47,7 +47,7 @@ def losses(args):
 
   def kl_fused(h, w, data):
     _, teacher_h, teacher_w, c = data
-    kl = vocab.vocab_kl(h, w, teacher_h, teacher_w, **tiles)
+    kl = vocab.vocab_kl(h, w, teacher_h, teacher_w, ops=ops)
     return jnp.sum(c * kl.mix(0.5)), (kl.reverse, kl.forward)
 
   def kl_naive(h, w, data):

@@ -21,6 +21,7 @@ from mopd_jax.data.domains import DOMAINS, TRAIN_DOMAINS
 from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import merge
 from mopd_jax.objectives import grpo, opd
+from mopd_jax.ops import vocab
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.rollout.sampler import SamplingConfig
 
@@ -627,9 +628,10 @@ def _validate_mopd(full) -> None:
                       " signal)")
 
 
-def op_options(config: ml_collections.ConfigDict) -> dict:
-  """Keyword options of the fused vocabulary ops, from ``config.ops``."""
-  return dict(impl=config.ops.impl, block_v=config.ops.block_v or None)
+def op_options(config: ml_collections.ConfigDict) -> vocab.VocabOps:
+  """The fused vocabulary ops' options, from ``config.ops``."""
+  return vocab.VocabOps(impl=config.ops.impl,
+                        block_v=config.ops.block_v or None)
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:

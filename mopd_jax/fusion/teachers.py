@@ -139,14 +139,15 @@ def combined_unembedding(cfgs, params_list) -> jax.Array:
 
 @functools.lru_cache(maxsize=None)
 def make_scorer(cfgs: tuple[ModelConfig, ...], signs: tuple[float, ...],
-                want_entropy: bool, want_hidden: bool, ops: tuple = ()):
+                want_entropy: bool, want_hidden: bool,
+                ops: vocab.VocabOps = vocab.DEFAULT_OPS):
   """A jitted ``(params_list, prompt, prompt_mask, completion, mask) ->
   dict`` for a teacher made of models of architectures ``cfgs`` whose logits
   are ``sum_i sign_i z_i`` (one model for an expert, three for the proxy
   teacher): the log-prob of every sampled token (``teacher_logp``), and as
   asked its entropy and the concatenated hidden states that, with
   ``combined_unembedding``, give the full distribution later. ``ops``: the
-  fused op's options as ``(key, value)`` pairs. Teachers of one
+  fused op's options. Teachers of one
   architecture share one compiled scorer."""
 
   @jax.jit
@@ -157,7 +158,7 @@ def make_scorer(cfgs: tuple[ModelConfig, ...], signs: tuple[float, ...],
         for cfg, p, sign in zip(cfgs, params_list, signs)], axis=-1)
     w = combined_unembedding(cfgs, params_list)
     logp = vocab.token_logprobs(h, w, completion, mask=mask,
-                                with_entropy=want_entropy, **dict(ops))
+                                with_entropy=want_entropy, ops=ops)
     out = {}
     if want_entropy:
       out["teacher_logp"], out["teacher_entropy"] = logp

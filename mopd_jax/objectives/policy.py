@@ -15,7 +15,7 @@ from mopd_jax.rollout import sampler
 
 
 def student_positions(params, cfg, mb: dict, temperature: float,
-                      ops: dict) -> dict:
+                      ops: vocab.VocabOps) -> dict:
   """The sampling policy at every completion position, from hidden states.
 
   ``logp`` (of the sampled token) and ``entropy`` [B, T] of
@@ -29,7 +29,7 @@ def student_positions(params, cfg, mb: dict, temperature: float,
   w = decoder.output_weight(params, cfg).astype(h.dtype)
   scale = 1.0 / temperature
   logp, ent = vocab.token_logprobs(h, w, mb["completion"], mask=mb["mask"],
-                                   scale=scale, with_entropy=True, **ops)
+                                   scale=scale, with_entropy=True, ops=ops)
   return {"logp": logp, "entropy": ent, "h": h, "w": w, "scale": scale}
 
 

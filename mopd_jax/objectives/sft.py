@@ -12,7 +12,7 @@ from mopd_jax.ops import vocab
 from mopd_jax.reductions import masked_sum_count
 
 
-def sft_loss(params, cfg, batch, ops: dict | None = None):
+def sft_loss(params, cfg, batch, ops: vocab.VocabOps = vocab.DEFAULT_OPS):
   """``(sum_t -m_t log pi(y_t | y_<t), sum_t m_t)`` over the loss mask ``m``.
 
   ``log pi`` comes from the hidden states and the unembedding with the fused
@@ -24,12 +24,12 @@ def sft_loss(params, cfg, batch, ops: dict | None = None):
   mask = batch["loss_mask"][:, 1:]
   logp = vocab.token_logprobs(
       h[:, :-1], decoder.output_weight(params, cfg).astype(h.dtype),
-      batch["tokens"][:, 1:], mask=mask, **(ops or {}))
+      batch["tokens"][:, 1:], mask=mask, ops=ops)
   return masked_sum_count(-logp, mask)
 
 
 def make_train_step(cfg, optimizer: optax.GradientTransformation,
-                    ops: dict | None = None):
+                    ops: vocab.VocabOps = vocab.DEFAULT_OPS):
   """``step(state, batch) -> (state, metrics)``: one guarded AdamW update on
   the token-mean SFT loss ``sum_t m_t (-log pi(y_t)) / sum_t m_t`` (not
   jitted: callers choose donation and lowering). ``metrics`` holds

@@ -26,6 +26,7 @@ Conventions shared by all ops:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -34,6 +35,20 @@ import jax.numpy as jnp
 
 from mopd_jax import parallel
 from mopd_jax.ops import vocab_pallas, vocab_xla
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabOps:
+  """How every fused vocabulary op runs: ``impl`` and the tiles (module
+  docstring). Built once from ``config.ops`` (``config.op_options``) and
+  passed unchanged to the kernels; frozen, so it hashes as a static jit
+  argument."""
+  impl: str = "auto"
+  block_v: int | None = None
+  block_n: int | None = None
+
+
+DEFAULT_OPS = VocabOps()
 
 
 class _Config(NamedTuple):
@@ -67,10 +82,10 @@ def resolve_impl(impl: str) -> str:
   return impl
 
 
-def _config(impl, block_n, block_v, scale, teacher_scale=None) -> _Config:
+def _config(ops: VocabOps, scale, teacher_scale=None) -> _Config:
   teacher_scale = scale if teacher_scale is None else teacher_scale
-  return _Config(resolve_impl(impl), block_n, block_v, float(scale),
-                 float(teacher_scale))
+  return _Config(resolve_impl(ops.impl), ops.block_n, ops.block_v,
+                 float(scale), float(teacher_scale))
 
 
 def _rows(h, mask):
@@ -142,8 +157,8 @@ _logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
 
 def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *,
                    mask: jax.Array | None = None, scale: float = 1.0,
-                   with_entropy: bool = False, impl: str = "auto",
-                   block_v: int | None = None, block_n: int | None = None):
+                   with_entropy: bool = False,
+                   ops: VocabOps = DEFAULT_OPS):
   """Log-probs of ``targets`` (and the entropy) under ``softmax(scale h w)``.
 
   ``log pi(y) = z_y - logsumexp(z)`` and
@@ -157,7 +172,7 @@ def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *,
     mask: optional ``[...]``; rows where it is 0 give 0 and zero gradient.
     scale: logits multiplier (``1 / temperature``).
     with_entropy: also return the entropy ``[...]``.
-    impl, block_v, block_n: implementation and tiling (module docstring).
+    ops: implementation and tiling (``VocabOps``).
 
   Returns:
     float32 log-probs shaped like ``targets``; with ``with_entropy``, the
@@ -167,7 +182,7 @@ def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *,
     raise ValueError(f"targets {targets.shape} do not match rows of h "
                      f"{h.shape}: expected {h.shape[:-1]} or {h.shape[:-1]}"
                      " + (K,)")
-  cfg = _config(impl, block_n, block_v, scale)
+  cfg = _config(ops, scale)
   rows, keep = _rows(h, mask)
   flat_targets = targets.reshape(len(rows), -1)
   if keep is not None:
@@ -184,8 +199,7 @@ def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *,
 
 def topk_logprobs(h: jax.Array, w: jax.Array, k: int, *,
                   mask: jax.Array | None = None, scale: float = 1.0,
-                  impl: str = "auto", block_v: int | None = None,
-                  block_n: int | None = None):
+                  ops: VocabOps = DEFAULT_OPS):
   """The student's ``k`` most likely tokens per row and their log-probs.
 
   The running top-``k`` is kept tile by tile (``vocab_xla.topk``, on every
@@ -199,18 +213,18 @@ def topk_logprobs(h: jax.Array, w: jax.Array, k: int, *,
       reward = jnp.sum(p * (teacher - logp), axis=-1)
 
   Args:
-    h, w, mask, scale, impl, block_v, block_n: as in ``token_logprobs``.
+    h, w, mask, scale, ops: as in ``token_logprobs``.
     k: number of tokens, ``1 <= k <= V``.
 
   Returns:
     ``(logprobs, ids)``: float32 ``[..., k]`` in decreasing order and int32
     ``[..., k]`` ids (0 in masked rows).
   """
-  cfg = _config(impl, block_n, block_v, scale)
+  cfg = _config(ops, scale)
   rows, keep = _rows(h, mask)
   _, ids, lse = vocab_xla.topk(jax.lax.stop_gradient(rows),
                                jax.lax.stop_gradient(w), k, scale=cfg.scale,
-                               block_v=block_v)
+                               block_v=cfg.block_v)
   logp, _ = _logprobs(rows, w, ids, lse, None, cfg)
   shape = h.shape[:-1] + (k,)
   return _masked(logp, keep, shape), _masked(ids, keep, shape)
@@ -254,8 +268,7 @@ _kl.defvjp(_kl_fwd, _kl_bwd)
 def vocab_kl(h: jax.Array, w: jax.Array, teacher_h: jax.Array,
              teacher_w: jax.Array, *, mask: jax.Array | None = None,
              scale: float = 1.0, teacher_scale: float | None = None,
-             impl: str = "auto", block_v: int | None = None,
-             block_n: int | None = None) -> VocabKL:
+             ops: VocabOps = DEFAULT_OPS) -> VocabKL:
   """Reverse and forward KL between student and teacher, over the vocabulary.
 
   With ``pi = softmax(scale h w)`` and ``T = softmax(teacher_scale h_t w_t)``:
@@ -272,12 +285,12 @@ def vocab_kl(h: jax.Array, w: jax.Array, teacher_h: jax.Array,
     mask: optional ``[...]``; rows where it is 0 give 0 and zero gradient.
     scale: the student's logits multiplier; ``teacher_scale`` the teacher's
       (defaults to ``scale``).
-    impl, block_v, block_n: as in ``token_logprobs``.
+    ops: as in ``token_logprobs``.
 
   Returns:
     ``VocabKL`` of float32 ``[...]`` arrays.
   """
-  cfg = _config(impl, block_n, block_v, scale, teacher_scale)
+  cfg = _config(ops, scale, teacher_scale)
   rows, keep = _rows(h, mask)
   teacher_rows, _ = _rows(jax.lax.stop_gradient(teacher_h), mask)
   teacher_w = jax.lax.stop_gradient(teacher_w)

@@ -38,7 +38,7 @@ def full_vocabulary(opd_cfg) -> bool:
 
 
 def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
-              ops: dict):
+              ops: vocab.VocabOps):
   """The distillation loss of a minibatch, ``(params, mb, teacher_w)``.
 
   ``mb`` holds per-sequence arrays: the rollout, ``old_logp``,
@@ -76,7 +76,7 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
     def kl(j, mask):
       return vocab.vocab_kl(stats["h"], stats["w"], mb["teacher_hidden"],
                             teacher_w[j], mask=mask, scale=stats["scale"],
-                            teacher_scale=1.0, **ops)
+                            teacher_scale=1.0, ops=ops)
 
     student = jax.lax.stop_gradient(logp) if refresh else mb["old_logp"]
     signal = opd.token_signal(mb["teacher_logp"], student)
@@ -99,9 +99,9 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
       else:
         top_logp, ids = vocab.topk_logprobs(
             stats["h"], stats["w"], opd_cfg.top_k, mask=mb["mask"],
-            scale=stats["scale"], **ops)
+            scale=stats["scale"], ops=ops)
         teacher_top = routed(lambda j, mask: vocab.token_logprobs(
-            mb["teacher_hidden"], teacher_w[j], ids, mask=mask, **ops))
+            mb["teacher_hidden"], teacher_w[j], ids, mask=mask, ops=ops))
         dense, reward = opd.topk_dense_loss(top_logp, teacher_top)
         metrics["topk_reward"] = reward
       per_token, clipped = grpo.clipped_policy_loss(
@@ -179,7 +179,7 @@ class MOPD:
       self.teacher_params.append(tuple(m.params for m in models))
       self.scorers.append(teachers.make_scorer(
           teacher_cfgs[-1], signs, opd_cfg.entropy_threshold > 0, wide,
-          tuple(ops.items())))
+          ops))
     # The loss reads the teachers' unembeddings on the student's mesh.
     teacher_w = jax.device_put(
         stacked_unembeddings(self.teacher_params, teacher_cfgs) if wide

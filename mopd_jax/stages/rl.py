@@ -17,7 +17,7 @@ from mopd_jax.objectives import grpo, policy
 from mopd_jax.stages import expert_stop, on_policy
 
 
-def make_loss(model_cfg, sampling, rl, ops: dict):
+def make_loss(model_cfg, sampling, rl, ops):
   """Minibatch loss: clipped PG (+ beta KL to the reference), aggregated;
   ``ops``: options of the fused vocabulary ops."""
 

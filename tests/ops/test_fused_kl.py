@@ -10,6 +10,11 @@ from mopd_jax.ops import vocab_naive as naive
 from mopd_jax.ops.vocab_naive import rel_err
 
 
+def xla(block_v):
+  """The reference implementation with a ``block_v`` vocabulary tile."""
+  return vocab.VocabOps("xla", block_v)
+
+
 def inputs(seed, n, d, d_t, v):
   rng = np.random.default_rng(seed)
 
@@ -49,7 +54,7 @@ def fused_loss(c_rev, c_fwd, **kwargs):
 ])
 def test_matches_float64_naive(n, d, d_t, v, block_v, scale, teacher_scale):
   h, w, ht, wt, c_rev, c_fwd = inputs(n + v, n, d, d_t, v)
-  loss = fused_loss(c_rev, c_fwd, impl="xla", block_v=block_v, scale=scale,
+  loss = fused_loss(c_rev, c_fwd, ops=xla(block_v), scale=scale,
                     teacher_scale=teacher_scale)
   (dh, dw, dht, dwt), kl = jax.jit(jax.grad(loss, (0, 1, 2, 3),
                                             has_aux=True))(h, w, ht, wt)
@@ -64,7 +69,7 @@ def test_matches_float64_naive(n, d, d_t, v, block_v, scale, teacher_scale):
 
 def test_mix_interpolates_forward_and_reverse():
   h, w, ht, wt, _, _ = inputs(0, 12, 8, 8, 50)
-  kl = vocab.vocab_kl(h, w, ht, wt, impl="xla", block_v=16)
+  kl = vocab.vocab_kl(h, w, ht, wt, ops=xla(16))
   np.testing.assert_allclose(kl.mix(0.0), kl.reverse)
   np.testing.assert_allclose(kl.mix(1.0), kl.forward)
   np.testing.assert_allclose(kl.mix(0.25), 0.25 * kl.forward
@@ -77,7 +82,7 @@ def test_identical_student_and_teacher_give_zero():
   h, w, _, _, _, _ = inputs(1, 10, 8, 8, 70)
 
   def fn(h, w):
-    return vocab.vocab_kl(h, w, h, w, impl="xla", block_v=32)
+    return vocab.vocab_kl(h, w, h, w, ops=xla(32))
 
   kl = jax.jit(fn)(h, w)
   grads = jax.jit(jax.grad(lambda h, w: jnp.sum(fn(h, w).mix(0.5)),
@@ -93,7 +98,7 @@ def test_masked_rows_give_zero_and_no_gradient():
   keep = np.random.default_rng(3).random(n) < 0.5
   h_pad = np.where(keep[:, None], h, np.nan).astype(np.float32)
   ht_pad = np.where(keep[:, None], ht, np.inf).astype(np.float32)
-  loss = fused_loss(c_rev * keep, c_fwd * keep, impl="xla", block_v=32,
+  loss = fused_loss(c_rev * keep, c_fwd * keep, ops=xla(32),
                     mask=keep)
   (dh, dw), kl = jax.jit(jax.grad(loss, (0, 1), has_aux=True))(h_pad, w, ht_pad,
                                                                wt)

@@ -10,6 +10,11 @@ from mopd_jax.ops import vocab_naive as naive
 from mopd_jax.ops.vocab_naive import rel_err
 
 
+def xla(block_v):
+  """The reference implementation with a ``block_v`` vocabulary tile."""
+  return vocab.VocabOps("xla", block_v)
+
+
 def inputs(seed, n, d, v, k=None):
   rng = np.random.default_rng(seed)
   h = rng.normal(size=(n, d)).astype(np.float32)
@@ -55,8 +60,8 @@ def fused(h, w, targets, c_logp, c_ent, **kwargs):
 ])
 def test_matches_float64_naive(n, d, v, block_v, k, scale):
   h, w, targets, c_logp, c_ent = inputs(n + v, n, d, v, k)
-  (logp, ent), (dh, dw) = fused(h, w, targets, c_logp, c_ent, impl="xla",
-                                block_v=block_v, scale=scale)
+  (logp, ent), (dh, dw) = fused(h, w, targets, c_logp, c_ent,
+                                ops=xla(block_v), scale=scale)
   (ref_logp, ref_ent), (ref_dh, ref_dw) = float64_reference(
       h, w, targets, c_logp, c_ent, scale)
   assert logp.shape == targets.shape and ent.shape == (n,)
@@ -73,8 +78,8 @@ def test_masked_rows_give_zero_and_no_gradient():
   # Padding rows may hold anything: NaN states and out-of-range targets.
   h = np.where(keep[:, None], h, np.nan).astype(np.float32)
   targets = np.where(keep, targets, -1).astype(np.int32)
-  (logp, ent), (dh, dw) = fused(h, w, targets, c_logp, c_ent, impl="xla",
-                                block_v=32, mask=keep)
+  (logp, ent), (dh, dw) = fused(h, w, targets, c_logp, c_ent, ops=xla(32),
+                                mask=keep)
   (ref_logp, ref_ent), (ref_dh, ref_dw) = float64_reference(
       np.where(keep[:, None], h, 0.0), w, np.where(keep, targets, 0), c_logp,
       c_ent, keep=keep)
@@ -89,10 +94,9 @@ def test_masked_rows_give_zero_and_no_gradient():
 def test_leading_dims_match_flat_rows():
   h, w, targets, _, _ = inputs(3, 10, 8, 70)
   mask = np.arange(10) % 4 != 0
-  flat = vocab.token_logprobs(h, w, targets, mask=mask, impl="xla", block_v=16)
+  flat = vocab.token_logprobs(h, w, targets, mask=mask, ops=xla(16))
   shaped = vocab.token_logprobs(h.reshape(2, 5, 8), w, targets.reshape(2, 5),
-                                mask=mask.reshape(2, 5), impl="xla",
-                                block_v=16)
+                                mask=mask.reshape(2, 5), ops=xla(16))
   assert shaped.shape == (2, 5)
   np.testing.assert_array_equal(np.asarray(shaped).ravel(), np.asarray(flat))
   with pytest.raises(ValueError, match="targets"):
@@ -112,7 +116,7 @@ def test_bfloat16_within_naive_bfloat16_error():
 
   naive_grads, naive_outs = jax.jit(jax.grad(naive_loss, (0, 1),
                                              has_aux=True))(h16, w16)
-  outs, grads = fused(h16, w16, targets, c_logp, c_ent, impl="xla", block_v=64)
+  outs, grads = fused(h16, w16, targets, c_logp, c_ent, ops=xla(64))
   assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
   got = jax.tree.leaves((outs, grads))
   base = jax.tree.leaves((naive_outs, naive_grads))

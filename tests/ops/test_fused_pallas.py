@@ -96,7 +96,8 @@ def test_public_op_on_pallas_matches_xla():
 
   def grads(impl):
     def loss(h, w):
-      logp = vocab.token_logprobs(h, w, targets, mask=keep, impl=impl, **TILES)
+      logp = vocab.token_logprobs(h, w, targets, mask=keep,
+                                  ops=vocab.VocabOps(impl, **TILES))
       return jnp.sum(c * logp), logp
     return jax.jit(jax.grad(loss, (0, 1), has_aux=True))(h, w)
 

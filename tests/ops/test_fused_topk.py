@@ -10,6 +10,11 @@ from mopd_jax.ops import vocab_naive as naive
 from mopd_jax.ops.vocab_naive import rel_err
 
 
+def xla(block_v):
+  """The reference implementation with a ``block_v`` vocabulary tile."""
+  return vocab.VocabOps("xla", block_v)
+
+
 def inputs(seed, n, d, v, k):
   rng = np.random.default_rng(seed)
   return (rng.normal(size=(n, d)).astype(np.float32),
@@ -25,7 +30,7 @@ def test_matches_float64_naive(n, d, v, k, block_v):
   h, w, c = inputs(v, n, d, v, k)
 
   def loss(h, w):
-    logp, ids = vocab.topk_logprobs(h, w, k, impl="xla", block_v=block_v,
+    logp, ids = vocab.topk_logprobs(h, w, k, ops=xla(block_v),
                                     scale=0.9)
     return jnp.sum(c * logp), (logp, ids)
 
@@ -50,9 +55,8 @@ def test_topk_dense_reward_with_teacher_gather():
   h, w, _ = inputs(0, n, d, v, k)
   ht, wt, _ = inputs(1, n, d, v, k)
   keep = np.arange(n) % 3 != 0
-  logp, ids = vocab.topk_logprobs(h, w, k, mask=keep, impl="xla", block_v=32)
-  teacher = vocab.token_logprobs(ht, wt, ids, mask=keep, impl="xla",
-                                 block_v=32)
+  logp, ids = vocab.topk_logprobs(h, w, k, mask=keep, ops=xla(32))
+  teacher = vocab.token_logprobs(ht, wt, ids, mask=keep, ops=xla(32))
   reward = jnp.sum(jax.nn.softmax(logp, axis=-1) * (teacher - logp), axis=-1)
   ref_logp, ref_ids = naive.topk_logprobs(h, w, k)
   ref_teacher = jnp.take_along_axis(
