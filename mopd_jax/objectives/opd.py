@@ -8,17 +8,15 @@ the student's top-K), so that [tokens, vocab] never exists.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+from mopd_jax.objectives import grpo
+from mopd_jax.ops.vocab import VocabKL
+
 GAP_STATISTICS = ("abs_signal", "reverse_kl", "sequence_kl")
-# opd.loss -> the per-token distillation loss it names (assembled in
-# stages/mopd.make_loss from the functions below and the fused ops)
-LOSSES = {
-    "pg": "clipped policy gradient with a_t as a stop-gradient advantage",
-    "topk": "the student's top-K dense reward (topk_dense_loss)",
-    "kl": "the exact per-position KL over the vocabulary (ops.vocab_kl)",
-}
 
 
 def token_signal(teacher_logp: jax.Array, student_logp: jax.Array
@@ -55,3 +53,57 @@ def topk_dense_loss(student_logp: jax.Array, teacher_logp: jax.Array):
   weights = jax.nn.softmax(student_logp, axis=-1)
   reward = jax.lax.stop_gradient(weights * (teacher_logp - student_logp))
   return -jnp.sum(reward * student_logp, axis=-1), jnp.sum(reward, axis=-1)
+
+
+class LossInputs(NamedTuple):
+  """What a distillation loss reads for one minibatch, per token [B, T]:
+  the student's ``logp`` (current) and ``old_logp`` (rollout time), the
+  signal ``a_t``, the gate ``g_t`` (ones when off), the outcome term
+  ``lambda_orm A`` [B, 1], the clip arguments of
+  ``grpo.clipped_policy_loss`` after the advantage, ``kl_alpha``, and the
+  full-vocabulary terms, computed only when a loss asks: ``kl()`` the
+  routed teacher's ``VocabKL``, ``topk()`` the student's top-K log-probs
+  and the routed teacher's log-probs of the same ids."""
+  logp: jax.Array
+  old_logp: jax.Array
+  signal: jax.Array
+  gate: jax.Array
+  outcome: jax.Array
+  clip: tuple
+  kl_alpha: float
+  kl: Callable[[], VocabKL]
+  topk: Callable[[], tuple[jax.Array, jax.Array]]
+
+
+def pg_loss(x: LossInputs):
+  """``L_t = clipped PG with advantage g_t a_t + lambda_orm A`` (``a_t`` a
+  stop-gradient advantage: the sampled-token signal)."""
+  per_token, clipped = grpo.clipped_policy_loss(
+      x.logp, x.old_logp, x.gate * x.signal + x.outcome, *x.clip)
+  return per_token, clipped, {}
+
+
+def _dense_plus_outcome(x: LossInputs, dense: jax.Array):
+  """``g_t dense_t + PG_t(lambda_orm A)``."""
+  per_token, clipped = grpo.clipped_policy_loss(
+      x.logp, x.old_logp, jnp.broadcast_to(x.outcome, x.logp.shape), *x.clip)
+  return x.gate * dense + per_token, clipped
+
+
+def kl_loss(x: LossInputs):
+  """``L_t = g_t KL_alpha(pi || T) + lambda_orm PG(A)``, the exact
+  per-position KL over the vocabulary (``VocabKL.mix(kl_alpha)``)."""
+  per_token, clipped = _dense_plus_outcome(x, x.kl().mix(x.kl_alpha))
+  return per_token, clipped, {}
+
+
+def topk_loss(x: LossInputs):
+  """``L_t = g_t topk_dense_loss + lambda_orm PG(A)``, the student's top-K
+  dense reward (reported as ``topk_reward``)."""
+  dense, reward = topk_dense_loss(*x.topk())
+  per_token, clipped = _dense_plus_outcome(x, dense)
+  return per_token, clipped, {"topk_reward": reward}
+
+
+# opd.loss -> its per-token loss: (LossInputs) -> (L_t, clipped, metrics)
+LOSSES = {"pg": pg_loss, "topk": topk_loss, "kl": kl_loss}

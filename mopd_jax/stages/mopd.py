@@ -25,7 +25,7 @@ from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.evaluation import headroom
 from mopd_jax.fusion import open_mopd, teachers
 from mopd_jax.models.tokenizer import CharTokenizer
-from mopd_jax.objectives import grpo, opd, policy
+from mopd_jax.objectives import opd, policy
 from mopd_jax.ops import vocab
 from mopd_jax.reductions import masked_sum_count
 from mopd_jax.stages import on_policy
@@ -53,7 +53,7 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
   per teacher over its own rows, done before, in ``teachers.score``).
 
   With ``a_t = log T(y_t) - log pi(y_t)`` (``pi`` the current student under
-  ``refresh``, else the rollout-time one), per token:
+  ``refresh``, else the rollout-time one), per token (``opd.LOSSES``):
   * ``pg``:   ``L_t = clipped PG with advantage g_t a_t + lambda_orm A``;
   * ``topk``: ``L_t = g_t opd.topk_dense_loss + lambda_orm PG(A)``;
   * ``kl``:   ``L_t = g_t KL_alpha(pi || T) + lambda_orm PG(A)``;
@@ -78,40 +78,36 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
                             teacher_w[j], mask=mask, scale=stats["scale"],
                             teacher_scale=1.0, ops=ops)
 
+    def topk():
+      top_logp, ids = vocab.topk_logprobs(
+          stats["h"], stats["w"], opd_cfg.top_k, mask=mb["mask"],
+          scale=stats["scale"], ops=ops)
+      return top_logp, routed(lambda j, mask: vocab.token_logprobs(
+          mb["teacher_hidden"], teacher_w[j], ids, mask=mask, ops=ops))
+
+    computed = {}  # the full KL once, for the loss and the entropy term
+
+    def full_kl():
+      if "kl" not in computed:
+        computed["kl"] = routed(kl)
+      return computed["kl"]
+
     student = jax.lax.stop_gradient(logp) if refresh else mb["old_logp"]
     signal = opd.token_signal(mb["teacher_logp"], student)
     if opd_cfg.extrapolation != 1.0:
       signal = opd.extrapolate(signal, mb["teacher_logp"], mb["ref_logp"],
                                opd_cfg.extrapolation)
     gate = opd.gate(signal) if opd_cfg.gate else jnp.ones_like(signal)
-    outcome = opd_cfg.lambda_orm * mb["advantages"][:, None]
-    clip_args = (rl_cfg.eps_low, rl_cfg.eps_high, rl_cfg.dual_clip,
-                 mb.get("behaviour_logp"), rl_cfg.tis_cap)
-    metrics = {}
-    full_kl = (routed(kl) if opd_cfg.loss == "kl"
-               or opd_cfg.entropy_threshold > 0 else None)
-    if opd_cfg.loss == "pg":
-      per_token, clipped = grpo.clipped_policy_loss(
-          logp, mb["old_logp"], gate * signal + outcome, *clip_args)
-    else:
-      if opd_cfg.loss == "kl":
-        dense = full_kl.mix(opd_cfg.kl_alpha)
-      else:
-        top_logp, ids = vocab.topk_logprobs(
-            stats["h"], stats["w"], opd_cfg.top_k, mask=mb["mask"],
-            scale=stats["scale"], ops=ops)
-        teacher_top = routed(lambda j, mask: vocab.token_logprobs(
-            mb["teacher_hidden"], teacher_w[j], ids, mask=mask, ops=ops))
-        dense, reward = opd.topk_dense_loss(top_logp, teacher_top)
-        metrics["topk_reward"] = reward
-      per_token, clipped = grpo.clipped_policy_loss(
-          logp, mb["old_logp"], jnp.broadcast_to(outcome, logp.shape),
-          *clip_args)
-      per_token = gate * dense + per_token
+    per_token, clipped, metrics = opd.LOSSES[opd_cfg.loss](opd.LossInputs(
+        logp=logp, old_logp=mb["old_logp"], signal=signal, gate=gate,
+        outcome=opd_cfg.lambda_orm * mb["advantages"][:, None],
+        clip=(rl_cfg.eps_low, rl_cfg.eps_high, rl_cfg.dual_clip,
+              mb.get("behaviour_logp"), rl_cfg.tis_cap),
+        kl_alpha=opd_cfg.kl_alpha, kl=full_kl, topk=topk))
     if opd_cfg.entropy_threshold > 0:
       per_token = per_token + jnp.where(
           mb["teacher_entropy"] > opd_cfg.entropy_threshold,
-          full_kl.forward, 0.0)
+          full_kl().forward, 0.0)
     per_token = per_token * mb["weight"][:, None]
     mask = mb["mask"] * mb["keep"][:, None]
     metrics = {k: masked_sum_count(v, mask) for k, v in metrics.items()}

@@ -20,12 +20,14 @@ from mopd_jax.fusion import teachers as teacher_lib
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
+from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
 from mopd_jax.stages import mopd as mopd_stage
 from mopd_jax.stages import on_policy
 
 TOK = CharTokenizer()
 SAMPLING = sampler.SamplingConfig(max_new_tokens=6, eos_id=TOK.eos_id)
+OPS = vocab.DEFAULT_OPS
 
 
 def _cfg(embed, layers=1):
@@ -111,7 +113,7 @@ def test_routed_scores_and_the_kl_loss_match_full_logits():
                              -(np.exp(lt) * lt).sum(-1) * mask, rtol=1e-5,
                              atol=1e-5)
   rl, opd_cfg = _sections(loss="kl", kl_alpha=0.3)
-  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, {})
+  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, OPS)
   teacher_w = _teacher_w(teachers)
 
   def naive(params):
@@ -148,7 +150,7 @@ def test_topk_loss_with_every_extra_matches_full_logits():
   threshold = float(np.sort(h_t[mask > 0])[n // 2 - 1:n // 2 + 1].mean())
   rl, opd_cfg = _sections(loss="topk", top_k=5, gate=True, lambda_orm=0.5,
                           entropy_threshold=threshold)
-  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, {})
+  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, OPS)
   teacher_w = _teacher_w(teachers)
 
   def naive(params):
@@ -194,7 +196,7 @@ def test_pg_loss_is_reinforce_on_the_signal_and_refresh_rescores():
     a = data["teacher_logp"] - data["old_logp"]
     return _masked_mean(-a * logp_of(params), mask)
 
-  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, {})
+  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, OPS)
   got = jax.jit(jax.grad(lambda p, d: loss_fn(p, d, teacher_w)[0]))(
       student[1], data)
   for g, w in zip(jax.tree.leaves(got),
@@ -204,7 +206,7 @@ def test_pg_loss_is_reinforce_on_the_signal_and_refresh_rescores():
   moved = jax.tree.map(lambda x: x * 1.1, student[1])
   current = np.asarray(logp_of(moved))
   for refresh, student_logp in ((False, data["old_logp"]), (True, current)):
-    fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, {})
+    fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, OPS)
     total, count = jax.jit(fn)(moved, data, teacher_w)[1]["signal"]
     np.testing.assert_allclose(
         total / count,
@@ -224,7 +226,7 @@ def test_refresh_does_not_change_the_kl_loss():
   moved = jax.tree.map(lambda x: x * 1.1, student[1])
   out = []
   for refresh in (False, True):
-    fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, {})
+    fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, OPS)
     (loss, metrics), grad = jax.jit(jax.value_and_grad(
         fn, has_aux=True))(moved, data, teacher_w)
     out.append((loss, grad, metrics["signal"][0]))
@@ -248,7 +250,7 @@ def test_distillation_closes_the_gap_to_a_teacher():
   optimizer = optax.adam(1e-2)
   train = dict(params=student, opt_state=optimizer.init(student))
   update = on_policy.make_update(
-      mopd_stage.make_loss(cfg, SAMPLING, rl, opd_cfg, True, {}), optimizer)
+      mopd_stage.make_loss(cfg, SAMPLING, rl, opd_cfg, True, OPS), optimizer)
   scorer = teacher_lib.make_scorer((cfg,), (1.0,), False, False)
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
   prompts = ["add 1+2=", "rev abc:", "sort cab:", "first 1 of ab:"]

@@ -17,6 +17,7 @@ from mopd_jax.data import batching, mixture
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
+from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
 from mopd_jax.stages import on_policy
 from mopd_jax.stages import rl as rl_stage
@@ -35,7 +36,7 @@ def test_grpo_raises_reward_on_an_easy_task():
   optimizer = optax.adam(1e-2)
   train = dict(params=decoder.init_params(cfg, jax.random.key(0)))
   train["opt_state"] = optimizer.init(train["params"])
-  update = on_policy.make_update(rl_stage.make_loss(cfg, sampling, rl, {}),
+  update = on_policy.make_update(rl_stage.make_loss(cfg, sampling, rl, vocab.DEFAULT_OPS),
                                 optimizer)
   prompts = ["add 1+2=", "rev abc:", "sort cab:", "first 1 of ab:"] * 2
   prompt, mask = batching.encode_prompts(
