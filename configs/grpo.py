@@ -3,8 +3,11 @@
     python -m mopd_jax.train --config=configs/grpo.py --config.domain=add \
         --config.init=runs/base --workdir=runs/expert_add
 
-Every field and its default lives in ``mopd_jax/config.py``. Variants:
-``:smoke`` (seconds, for tests).
+The expert stops by measurement: at the first evaluation (every 25 steps)
+where its domain's greedy validation accuracy has gained ``stop.gain`` =
+20 points over the base, within ``train.steps`` = 300 (``stop.gain=0``: a
+fixed step count). Every field and its default lives in
+``mopd_jax/config.py``. Variants: ``:smoke`` (seconds, for tests).
 """
 
 from mopd_jax.config import defaults, shrink_for_smoke
@@ -15,6 +18,7 @@ def get_config(variant: str = ""):
   if variant == "smoke":
     shrink_for_smoke(config)
     config.rl.update(prompts_per_step=4, group_size=4, minibatches=2)
+    config.stop.gain = 0.0  # 4 steps: no target to reach
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/grpo.py")
   return config
