@@ -173,8 +173,8 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
 
 # Minutes each kind of task took in the default study on the 2-core CPU
 # (docs/results.md): the ETA's prior, rescaled by this machine's pace.
-MINUTES = {"base": 6.0, "experts": 5.0, "merge": 0.6, "mix_rl": 7.0,
-           "mopd": 8.0, "open_mopd": 8.0, "evaluate": 0.4, "report": 0.1}
+MINUTES = {"base": 5.9, "experts": 4.7, "merge": 0.6, "mix_rl": 6.5,
+           "mopd": 5.9, "open_mopd": 6.9, "evaluate": 0.45, "report": 0.1}
 
 
 def eta_minutes(kinds, ran: list[tuple[str, float]]) -> float | None:
