@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Mapping
@@ -210,16 +211,27 @@ class LoopState:
 
 @contextlib.contextmanager
 def signals_noted():
-  """While inside, SIGTERM (what a preemption sends) is noted (the yielded
-  list gets its number) instead of killing the process, so that the loop
-  can end its step and checkpoint; outside the main thread, nothing
-  changes."""
+  """While inside, SIGTERM (what a preemption sends) and a first Ctrl-C
+  (SIGINT) are noted (the yielded list gets their numbers) instead of
+  killing the process, so that the loop can end its step and checkpoint; a
+  second Ctrl-C stops at once (``KeyboardInterrupt``). Outside the main
+  thread, nothing changes."""
   received: list = []
   if threading.current_thread() is not threading.main_thread():
     yield received
     return
-  previous = {s: signal.signal(s, lambda signum, _: received.append(signum))
-              for s in (signal.SIGTERM,)}
+
+  def note(signum, _):
+    if signum == signal.SIGINT:
+      if signal.SIGINT in received:
+        raise KeyboardInterrupt
+      print("\nstopping after this step with a checkpoint (Ctrl-C again:"
+            " stop now, back to the last checkpoint)", file=sys.stderr,
+            flush=True)
+    received.append(signum)
+
+  previous = {s: signal.signal(s, note)
+              for s in (signal.SIGTERM, signal.SIGINT)}
   try:
     yield received
   finally:

@@ -128,27 +128,32 @@ def test_mix_rl_killed_twice_ends_identical(smoke_run, data_dir, tmp_path,
   _assert_same_run(run, reference)
 
 
-def test_sigterm_checkpoints_the_step_and_resumes_identical(
+def test_sigterm_and_ctrl_c_checkpoint_the_step_and_resume_identical(
     data_dir, tmp_path, cached_env):
-  """A preemption's SIGTERM ends the run after its current step with a
-  checkpoint of it and one line; the same command then finishes it as if
-  never stopped."""
-  sig = signal.SIGTERM
+  """A Ctrl-C (SIGINT), then a preemption's SIGTERM, each end the run after
+  its current step with a checkpoint of it and one line; the same command
+  then finishes it as if never stopped."""
   def cmd(run):
     return pretrain_smoke_command(run, data_dir) + [
         "--config.train.steps=12", "--config.train.log_every=1",
         "--config.train.eval_every=0", "--config.checkpoint.every=100"]
   reference, run = tmp_path / "reference", tmp_path / "run"
   assert _kill_when(cmd(reference), lambda: False, cached_env) == 0
-  code, err = _signal_when(cmd(run), _logged(run, 3), cached_env, sig)
-  assert code == 2, err[-3000:]
-  line = err.strip().splitlines()[-1]
-  name = signal.Signals(sig).name
-  assert line.startswith(f"error: stopped by {name} after step ") and (
-      line.endswith("its checkpoint saved; run the same command to resume"))
-  stopped = int(line.split("after step ")[1].split(",")[0])
-  assert 3 <= stopped < 12
-  assert os.path.isdir(run / "ckpt" / str(stopped))
+  stopped = 0
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    code, err = _signal_when(cmd(run), _logged(run, stopped + 2), cached_env,
+                             sig)
+    assert code == 2, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: stopped by {signal.Signals(sig).name}"
+                           " after step ") and line.endswith(
+                               "its checkpoint saved; run the same command"
+                               " to resume"), line
+    assert "Traceback" not in err
+    step = int(line.split("after step ")[1].split(",")[0])
+    assert stopped + 2 <= step < 12
+    assert os.path.isdir(run / "ckpt" / str(step))
+    stopped = step
   assert _kill_when(cmd(run), lambda: False, cached_env) == 0
   assert _records(run) == _records(reference)
   for name in ("summary.json", "eval.json"):
