@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -103,3 +104,18 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
       " .NotADirectoryError")):
     tfds_builder.load_split("add", "train", str(path), num_train=64,
                             num_test=16)
+
+
+def test_a_data_dir_nothing_can_be_written_into_is_one_line(tmp_path):
+  folder = tmp_path / "locked"
+  folder.mkdir()
+  if subprocess.run(["chattr", "+i", str(folder)],
+                    capture_output=True).returncode:
+    pytest.skip("chattr +i is not available here")
+  try:
+    with pytest.raises(DataError, match=(
+        f"data.data_dir: cannot build the 'add' dataset in {folder} .")):
+      tfds_builder.load_split("add", "train", str(folder), num_train=64,
+                              num_test=16)
+  finally:
+    subprocess.run(["chattr", "-i", str(folder)], check=True)
