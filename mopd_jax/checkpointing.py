@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from mopd_jax.checksum import named_leaves, tree_checksum
-from mopd_jax.errors import CheckpointError
+from mopd_jax.errors import CheckpointError, reason
 
 # Item names; "default" is where single-item checkpoints of earlier versions
 # kept the state, so those stay readable.
@@ -134,7 +134,7 @@ class Checkpointer:
     kept = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
     by = f" by step {step}" if step is not None else ""
     return (f"{self.directory}: a checkpoint save failed{by}"
-            f" ({_reason(error)}); " + (
+            f" ({reason(error)}); " + (
                 f"the checkpoint of step {kept[-1]} is intact" if kept
                 else "no checkpoint was written") +
             "; free space or fix the permissions, then run the same command")
@@ -160,13 +160,9 @@ def load_params(run_dir: str, params_like: Any) -> Any:
   ``CheckpointError`` naming the first mismatching parameter. When it names
   every parameter, they are verified against the recorded checksum.
   """
-  root = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), "ckpt")
-  if not os.path.isdir(root):
-    raise CheckpointError(f"{run_dir}: no checkpoints (no ckpt/ directory)")
-  # The PyTree handler, unlike the standard one, restores a subtree.
-  with _quiet_absl():  # its notes on read-only directories, once per read
-    manager = _manager(root, ocp.PyTreeCheckpointHandler(), read_only=True)
-  try:
+  with _reader(run_dir) as (root, manager):
+    if manager is None:
+      raise CheckpointError(f"{run_dir}: no checkpoints (no ckpt/ directory)")
     if not manager.all_steps():
       raise CheckpointError(f"{run_dir}: no complete checkpoint in {root}")
     step = max(manager.all_steps())
@@ -193,22 +189,30 @@ def load_params(run_dir: str, params_like: Any) -> Any:
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f"{run_dir}: its final checkpoint (step {step}) is unreadable"
-          f" ({_reason(e)}); re-run that run to repair it") from None
+          f" ({reason(e)}); re-run that run to repair it") from None
     return params
-  finally:
-    manager.close()
 
 
 def newest_step(run_dir: str) -> int | None:
   """The step of the newest complete checkpoint of the run in ``run_dir``
   (the one ``load_params`` reads); None without one."""
+  with _reader(run_dir) as (_, manager):
+    return max(manager.all_steps(), default=None) if manager else None
+
+
+@contextlib.contextmanager
+def _reader(run_dir: str):
+  """``(root, manager)``: a read-only manager of ``<run_dir>/ckpt``, closed
+  on exit; ``manager`` is None when there is no such folder."""
   root = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), "ckpt")
   if not os.path.isdir(root):
-    return None
-  with _quiet_absl():
+    yield root, None
+    return
+  # The PyTree handler, unlike the standard one, restores a subtree.
+  with _quiet_absl():  # its notes on read-only directories, once per read
     manager = _manager(root, ocp.PyTreeCheckpointHandler(), read_only=True)
   try:
-    return max(manager.all_steps(), default=None)
+    yield root, manager
   finally:
     manager.close()
 
@@ -220,11 +224,6 @@ def verify(params: Any, loop: dict) -> None:
   recorded = loop.get(CHECKSUM)
   if recorded and tree_checksum(params) != recorded:
     raise ValueError("the parameters do not match their recorded sha256")
-
-
-def _reason(error: Exception) -> str:
-  return (f"{type(error).__name__}: "
-          + ((str(error).strip().splitlines() or [""])[0][:200]))
 
 
 def _state_metadata(manager: ocp.CheckpointManager, step: int):
@@ -256,7 +255,7 @@ def _newest_readable(manager: ocp.CheckpointManager,
     except Exception as e:  # pylint: disable=broad-except
       action = set_aside(step)
       print(f"warning: checkpoint of step {step} in {manager.directory} is"
-            f" unreadable ({_reason(e)}); {action}, trying the previous one",
+            f" unreadable ({reason(e)}); {action}, trying the previous one",
             file=sys.stderr)
   raise CheckpointError(f"{manager.directory}: none of the {len(steps)}"
                         " checkpoints is readable")

@@ -8,6 +8,13 @@ prints it without a traceback.
 import sys
 
 
+def reason(error: Exception) -> str:
+  """``Type: first line of the message`` (at most 200 characters): what a
+  library raised, short enough for the one error line."""
+  return (f"{type(error).__name__}: "
+          + (str(error).strip().splitlines() or [""])[0][:200])
+
+
 def fail(message: str) -> None:
   """Print ``error: message`` on stderr and exit with code 2."""
   print(f"error: {message}", file=sys.stderr)
@@ -36,6 +43,5 @@ class DivergenceError(UserError):
 
 
 class Interrupted(UserError):
-  """Training stopped by SIGTERM (a preemption) after its current step,
-  with a checkpoint of that step: re-running resumes it."""
-
+  """Training stopped by SIGTERM (a preemption) or a first Ctrl-C after its
+  current step, with a checkpoint of that step: re-running resumes it."""

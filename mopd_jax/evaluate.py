@@ -88,10 +88,11 @@ def _check_writable(path: str, flag: str) -> None:
   if not os.path.isdir(folder):
     raise ConfigError(f"{flag}: cannot write {path}: {folder} is not a"
                       " directory")
-  if os.path.isdir(path) or not os.access(folder, os.W_OK):
-    raise ConfigError(f"{flag}: cannot write {path}"
-                      + (": it is a directory" if os.path.isdir(path)
-                         else f": {folder} is not writable"))
+  if os.path.isdir(path):
+    raise ConfigError(f"{flag}: cannot write {path}: it is a directory")
+  if not os.access(folder, os.W_OK):
+    raise ConfigError(f"{flag}: cannot write {path}: {folder} is not"
+                      " writable")
 
 
 def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):

@@ -256,10 +256,10 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
   the same command ends with the same parameters and metrics.jsonl as one
   never stopped (bit for bit on CPU).
 
-  SIGTERM (a preemption) ends the run after the current step:
-  its checkpoint is saved (what was logged past the previous checkpoint
-  stays valid) and an ``Interrupted`` error says so; the same command
-  resumes it exactly.
+  SIGTERM (a preemption) or a first Ctrl-C ends the run after the current
+  step: its checkpoint is saved (what was logged past the previous
+  checkpoint stays valid) and an ``Interrupted`` error says so; the same
+  command resumes it exactly.
 
   A step whose metrics report a skipped update (``SKIPPED``, from
   ``guarded_update``) counts into ``skipped_steps``; once

@@ -26,7 +26,7 @@ import tensorflow_datasets as tfds
 
 from mopd_jax.data import domains
 from mopd_jax.data.domains import Example
-from mopd_jax.errors import DataError
+from mopd_jax.errors import DataError, reason
 
 DEFAULT_NUM_TRAIN = 20_000
 DEFAULT_NUM_TEST = 256
@@ -167,16 +167,16 @@ def load_split(domain: str,
     damaged = _cache_dir(config, data_dir)
     if not os.path.isdir(damaged):  # nothing of ours there: the folder
       raise DataError(f"data.data_dir: cannot build the {domain!r} dataset"
-                      f" in {data_dir} ({_reason(e)})") from None
+                      f" in {data_dir} ({reason(e)})") from None
     # Derived data: rebuilt rather than trusted or reported.
     print(f"warning: the {domain!r} dataset in {damaged} is unreadable"
-          f" ({_reason(e)}); rebuilding it", file=sys.stderr)
+          f" ({reason(e)}); rebuilding it", file=sys.stderr)
   try:
     shutil.rmtree(damaged)
     return _open(config, split, data_dir)
   except Exception as e:  # pylint: disable=broad-except
     raise DataError(f"data.data_dir: cannot rebuild the {domain!r} dataset"
-                    f" in {damaged} ({_reason(e)})") from None
+                    f" in {damaged} ({reason(e)})") from None
 
 
 def _cache_dir(config: DomainConfig, data_dir: str) -> str:
@@ -198,8 +198,3 @@ def _open(config: DomainConfig, split: str, data_dir: str) -> ExampleSource:
   source = ExampleSource(builder.as_data_source(split))
   _ = source[0], source[-1]
   return source
-
-
-def _reason(error: Exception) -> str:
-  return (f"{type(error).__name__}: "
-          + (str(error).strip().splitlines() or [""])[0][:200])

@@ -61,9 +61,9 @@ class LossInputs(NamedTuple):
   signal ``a_t``, the gate ``g_t`` (ones when off), the outcome term
   ``lambda_orm A`` [B, 1], the clip arguments of
   ``grpo.clipped_policy_loss`` after the advantage, ``kl_alpha``, and the
-  full-vocabulary terms, computed only when a loss asks: ``kl()`` the
-  routed teacher's ``VocabKL``, ``topk()`` the student's top-K log-probs
-  and the routed teacher's log-probs of the same ids."""
+  full-vocabulary terms: ``kl`` the routed teacher's ``VocabKL`` (None
+  unless a term needs it), ``topk()`` the student's top-K log-probs and the
+  routed teacher's log-probs of the same ids, computed only when called."""
   logp: jax.Array
   old_logp: jax.Array
   signal: jax.Array
@@ -71,7 +71,7 @@ class LossInputs(NamedTuple):
   outcome: jax.Array
   clip: tuple
   kl_alpha: float
-  kl: Callable[[], VocabKL]
+  kl: VocabKL | None
   topk: Callable[[], tuple[jax.Array, jax.Array]]
 
 
@@ -93,7 +93,7 @@ def _dense_plus_outcome(x: LossInputs, dense: jax.Array):
 def kl_loss(x: LossInputs):
   """``L_t = g_t KL_alpha(pi || T) + lambda_orm PG(A)``, the exact
   per-position KL over the vocabulary (``VocabKL.mix(kl_alpha)``)."""
-  per_token, clipped = _dense_plus_outcome(x, x.kl().mix(x.kl_alpha))
+  per_token, clipped = _dense_plus_outcome(x, x.kl.mix(x.kl_alpha))
   return per_token, clipped, {}
 
 

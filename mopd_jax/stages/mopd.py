@@ -85,13 +85,9 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
       return top_logp, routed(lambda j, mask: vocab.token_logprobs(
           mb["teacher_hidden"], teacher_w[j], ids, mask=mask, ops=ops))
 
-    computed = {}  # the full KL once, for the loss and the entropy term
-
-    def full_kl():
-      if "kl" not in computed:
-        computed["kl"] = routed(kl)
-      return computed["kl"]
-
+    # the full KL once, for the loss and the entropy term
+    full_kl = (routed(kl) if opd_cfg.loss == "kl"
+               or opd_cfg.entropy_threshold > 0 else None)
     student = jax.lax.stop_gradient(logp) if refresh else mb["old_logp"]
     signal = opd.token_signal(mb["teacher_logp"], student)
     if opd_cfg.extrapolation != 1.0:
@@ -107,7 +103,7 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
     if opd_cfg.entropy_threshold > 0:
       per_token = per_token + jnp.where(
           mb["teacher_entropy"] > opd_cfg.entropy_threshold,
-          full_kl().forward, 0.0)
+          full_kl.forward, 0.0)
     per_token = per_token * mb["weight"][:, None]
     mask = mb["mask"] * mb["keep"][:, None]
     metrics = {k: masked_sum_count(v, mask) for k, v in metrics.items()}

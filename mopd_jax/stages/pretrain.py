@@ -28,7 +28,6 @@ from mopd_jax.evaluation import evaluator, headroom
 from mopd_jax.objectives.sft import make_train_step
 
 
-
 def batch_drawer(train_sets, weights: np.ndarray, seed: int, step: int):
   """Example stream of step ``step``: domain ``d ~ w``, then an example of
   ``d`` uniformly, all drawn from ``rng(seed, step)``."""

@@ -111,7 +111,6 @@ class Study:
     stages.run(config, workdir)
 
 
-
 def _tasks(study: Study):
   """``(step, label, thunk)`` of every run the selected steps make."""
   c = study.config
