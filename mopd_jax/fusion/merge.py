@@ -74,13 +74,12 @@ class Settings:
 
 
 def magnitude_mask(tau: jax.Array, density: float) -> jax.Array:
-  """1 on the ``k = floor(density * n)`` entries of largest ``|tau|``
-  (TIES's trim); all ones when ``density >= 1``, none when ``k = 0``."""
-  n, k = tau.size, int(density * tau.size)
+  """1 on the ``k = max(1, floor(density * n))`` entries of largest
+  ``|tau|`` (TIES's trim; a positive density keeps at least one entry, as
+  in mergekit); all ones when ``density >= 1``."""
+  n, k = tau.size, max(1, int(density * tau.size))
   if density >= 1:
     return jnp.ones(tau.shape, bool)
-  if k == 0:
-    return jnp.zeros(tau.shape, bool)
   _, idx = jax.lax.top_k(jnp.abs(tau).reshape(-1), k)
   return jnp.zeros(n, bool).at[idx].set(True).reshape(tau.shape)
 

@@ -82,11 +82,12 @@ def test_breadcrumbs_keeps_the_band_between_the_outliers_and_the_small():
   assert bool(merge.band_mask(tau, 1.0, 0.1).all())
 
 
-def test_magnitude_mask_keeps_floor_density_n_largest():
+def test_magnitude_mask_keeps_floor_density_n_largest_at_least_one():
   tau = jnp.array([0.1, -5.0, 3.0, -0.2, 1.0])
   np.testing.assert_array_equal(np.asarray(merge.magnitude_mask(tau, 0.5)),
                                 [False, True, True, False, False])
-  assert not bool(merge.magnitude_mask(tau, 0.1).any())  # floor(0.5) = 0
+  np.testing.assert_array_equal(np.asarray(merge.magnitude_mask(tau, 0.1)),
+                                [False, True, False, False, False])
 
 
 def test_model_stock_interpolation_factor():
