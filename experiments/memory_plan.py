@@ -92,13 +92,13 @@ def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
   one_layer = (
       4 * _bytes(axis_sizes, bt + ("embed",), (B, T, D), a_size)
       + 2 * _bytes(axis_sizes, bth, (B, T, H, Dh), a_size)
-      + 2 * _bytes(axis_sizes, decoder.KV_AXES, (B, T, K, Dh), a_size)
+      + 2 * _bytes(axis_sizes, decoder.KV_AXES, (B, K, T, Dh), a_size)
       + 3 * _bytes(axis_sizes, bt + ("mlp",), (B, T, F), a_size)
       + 2 * _bytes(axis_sizes, ("batch", "heads", None, None), (B, H, T, T),
                    4))
   residual = _bytes(axis_sizes, bt + ("embed",), (B, T, D), a_size)
   kv = 2 * _bytes(axis_sizes, ("layers",) + decoder.KV_AXES,
-                  (L, rollout_batch, length, K, Dh), a_size)
+                  (L, rollout_batch, K, length, Dh), a_size)
   return dict(params=params(p_size), adam=params(8), grads=params(p_size),
               teachers=teachers * params(p_size), kv=kv,
               act=L * residual + one_layer if remat else L * one_layer)

@@ -17,3 +17,18 @@ def timed(fn, repeats: int) -> float:
     fn()
     times.append(time.perf_counter() - start)
   return float(np.median(times))
+
+
+def interleaved(fns, repeats: int) -> list[float]:
+  """Median seconds of each of ``fns`` (which must block), their calls
+  alternating ``repeats`` times after one warm-up call each, so that a
+  slow spell of a shared machine falls on all of them alike."""
+  for fn in fns:
+    fn()
+  times = [[] for _ in fns]
+  for _ in range(repeats):
+    for fn, out in zip(fns, times):
+      start = time.perf_counter()
+      fn()
+      out.append(time.perf_counter() - start)
+  return [float(np.median(t)) for t in times]

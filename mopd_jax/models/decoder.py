@@ -28,15 +28,19 @@ Params = Any
 
 
 class KVCache(NamedTuple):
-  """Keys/values of every layer, the segment id of each slot, next free slot."""
-  k: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
+  """Keys/values of every layer, the segment id of each slot, next free slot.
+
+  Heads come before slots, so that attention reads each (row, head) as one
+  contiguous [slots, head_dim] matrix: a batched matmul with no transpose of
+  the cache at every decode step."""
+  k: jax.Array  # [layers, batch, kv_heads, slots, head_dim]
   v: jax.Array
   segment_ids: jax.Array  # [batch, slots]; 0 marks an empty or padding slot
   index: jax.Array  # int32 scalar: slot of the next token written
 
 
 # Logical axes of one layer's cache keys/values (slots count as ``length``).
-KV_AXES = ("batch", "length", "kv_heads", "head_dim")
+KV_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 def _box(value, names):
@@ -152,25 +156,38 @@ def attention_mask(q_segments, q_slots, kv_segments, kv_slots) -> jax.Array:
 
 
 def _attend(q, k, v, mask):
-  """Grouped-query softmax attention; q: [B,T,H,d], k/v: [B,S,K,d].
+  """Grouped-query softmax attention; q: [B,T,H,d], k/v: [B,K,S,d].
 
-  ``softmax(q k^T / sqrt(d) + mask) v`` with each group of H/K query heads
-  sharing one key/value head. Masked scores get a large finite negative so a
-  fully masked (padding) row stays finite.
+  ``softmax(q k^T / sqrt(d) + mask) v`` with each group of G = H/K query
+  heads sharing one key/value head. The G heads' T queries are the rows
+  of one [G*T, d] matrix per (batch, kv head), so both products are plain
+  batched matmuls (its forward measured 1.45x faster on CPU than keeping
+  T and G apart, at T=1 and T=72). Masked scores get a large finite negative so a fully
+  masked (padding) row stays finite.
   """
   B, T, H, d = q.shape
-  K = k.shape[2]
-  q = q.reshape(B, T, K, H // K, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
+  K, S = k.shape[1], k.shape[2]
+  G = H // K
+  q = q.reshape(B, T, K, G, d).transpose(0, 2, 3, 1, 4).reshape(
+      B, K, G * T, d)
+  scores = jnp.einsum("bkrd,bksd->bkrs", q, k,
                       preferred_element_type=jnp.float32) * d ** -0.5
-  scores = jnp.where(mask[:, None, None], scores, -1e30)
+  scores = jnp.where(mask[:, None, None], scores.reshape(B, K, G, T, S),
+                     -1e30)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(B, T, H, d)
+  out = jnp.einsum("bkrs,bksd->bkrd", probs.reshape(B, K, G * T, S), v)
+  return out.reshape(B, K, G, T, d).transpose(0, 3, 1, 2, 4).reshape(
+      B, T, H, d)
 
 
 def _layer(cfg: ModelConfig, x, p, positions, mask, kv_cache, index):
-  """One pre-norm block: ``x += Attn(norm(x)); x += SwiGLU(norm(x))``."""
+  """One pre-norm block: ``x += Attn(norm(x)); x += SwiGLU(norm(x))``.
+
+  ``kv_cache``: None, or ``(k, v, layer)`` with the whole stacked cache
+  [layers, B, K, slots, d]: this layer's keys and values are written into
+  it in place at slot ``index`` of ``layer`` and its slice is attended
+  over (a stacked cache passed through ``scan``'s inputs and outputs
+  instead is copied whole at every decode step: 1.5x slower sampling)."""
   dt = x.dtype
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
   q = jnp.einsum("btd,dhk->bthk", h, p["q"].astype(dt))
@@ -183,12 +200,16 @@ def _layer(cfg: ModelConfig, x, p, positions, mask, kv_cache, index):
     q = rms_norm(q, p["q_norm"], cfg.norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.norm_eps)
   q = rope(q, positions, cfg.rope_theta)
-  k = rope(k, positions, cfg.rope_theta)
+  k = rope(k, positions, cfg.rope_theta).transpose(0, 2, 1, 3)
+  v = v.transpose(0, 2, 1, 3)  # [B, K, T, d], the cache's layout
   if kv_cache is not None:
-    k_all = parallel.constrain(jax.lax.dynamic_update_slice(
-        kv_cache[0], k, (0, index, 0, 0)), KV_AXES)
-    v_all = parallel.constrain(jax.lax.dynamic_update_slice(
-        kv_cache[1], v, (0, index, 0, 0)), KV_AXES)
+    k_cache, v_cache, layer = kv_cache
+    k_cache, v_cache = (
+        parallel.constrain(jax.lax.dynamic_update_slice(
+            c, new[None], (layer, 0, 0, index, 0)), ("layers",) + KV_AXES)
+        for c, new in ((k_cache, k), (v_cache, v)))
+    k_all, v_all = k_cache[layer], v_cache[layer]
+    kv_cache = (k_cache, v_cache)
   else:
     k_all, v_all = k, v
   attn = _attend(q, k_all, v_all, mask)
@@ -201,7 +222,7 @@ def _layer(cfg: ModelConfig, x, p, positions, mask, kv_cache, index):
                                    ("batch", "length", "mlp"))
   x = x + jnp.einsum("btf,fd->btd", act, p["down"].astype(dt))
   x = parallel.constrain(x, ("batch", "length", "embed"))
-  return x, None if kv_cache is None else (k_all, v_all)
+  return x, kv_cache
 
 
 def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
@@ -239,20 +260,26 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
     mask = attention_mask(segment_ids, q_slots, kv_segments,
                           jnp.arange(cache.segment_ids.shape[1]))
 
-  def body(x, layer):
-    p, kv = layer
-    x, kv = _layer(cfg, x, p, positions, mask, kv, index)
-    return x, kv
-
-  if cfg.remat:
-    # Keeps only each layer's input for the backward pass.
-    body = jax.checkpoint(body, prevent_cse=False)
-  kv_in = None if cache is None else (cache.k, cache.v)
-  x, kv = jax.lax.scan(body, x, (params["layers"], kv_in))
-  x = rms_norm(x, params["final_norm"], cfg.norm_eps)
   if cache is None:
-    return x, None
-  return x, KVCache(kv[0], kv[1], kv_segments, index + T)
+    def body(x, p):
+      return _layer(cfg, x, p, positions, mask, None, None)[0], None
+
+    if cfg.remat:
+      # Keeps only each layer's input for the backward pass.
+      body = jax.checkpoint(body, prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, params["layers"])
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), None
+
+  def cached_body(carry, layer):
+    x, k, v = carry
+    p, i = layer
+    x, (k, v) = _layer(cfg, x, p, positions, mask, (k, v, i), index)
+    return (x, k, v), None
+
+  (x, k, v), _ = jax.lax.scan(cached_body, (x, cache.k, cache.v),
+                              (params["layers"], jnp.arange(cfg.num_layers)))
+  x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+  return x, KVCache(k, v, kv_segments, index + T)
 
 
 def output_weight(params: Params, cfg: ModelConfig) -> jax.Array:
@@ -278,7 +305,7 @@ def unembed(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
   """An empty cache of ``slots`` positions per sequence, laid out by the
   logical axes ``layers`` + ``KV_AXES`` on the mesh in scope."""
-  shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
 
   def zeros():
     return parallel.constrain(jnp.zeros(shape, cfg.dtype),

@@ -2,6 +2,7 @@
 unseen: bench_step broke once on a hand-made optimiser config), printing
 its ratios."""
 
+import json
 import subprocess
 import sys
 
@@ -27,3 +28,14 @@ def test_bench_ops_smoke():
   result = _run("bench_ops.py", "--n=64", "--d=16", "--v=128", "--repeats=1")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "max rel err" in result.stdout and '"memory_ratio"' in result.stdout
+
+
+def test_bench_sampler_smoke(tmp_path):
+  out = tmp_path / "sampler.json"
+  result = _run("bench_sampler.py", "--size=smoke", "--repeats=1",
+                f"--json={out}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip().splitlines()[-1].startswith(
+      "ratio (sampler / generate)")
+  figures = json.loads(out.read_text())
+  assert figures["ours_tokens_s"] > 0 and figures["transformers_tokens_s"] > 0
