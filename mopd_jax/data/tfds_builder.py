@@ -179,19 +179,22 @@ def load_split(domain: str,
                     f" in {damaged} ({reason(e)})") from None
 
 
-def _cache_dir(config: DomainConfig, data_dir: str) -> str:
-  """Where the built dataset of ``config`` lives (all its versions)."""
+def _cache_dir(config: DomainConfig | str, data_dir: str) -> str:
+  """Where the built dataset of ``config`` (or of the registered config of
+  that name) lives, all its versions."""
   return os.path.join(os.path.expanduser(data_dir), MopdDomains.name,
-                      config.name)
+                      config if isinstance(config, str) else config.name)
 
 
-def _open(config: DomainConfig, split: str, data_dir: str) -> ExampleSource:
+def _open(config: DomainConfig | str, split: str, data_dir: str
+          ) -> ExampleSource:
   """The split, built first if needed; its first and last records are read,
   so that a truncated file fails here, not in the middle of a run."""
   builder = MopdDomains(config=config, data_dir=data_dir,
                         file_format="array_record")
   if not builder.is_prepared():
-    print(f"building the {config.domain!r} dataset in {builder.data_dir}")
+    print(f"building the {builder.builder_config.domain!r} dataset in"
+          f" {builder.data_dir}")
     # TFDS's own per-shard progress bars would bury the training output.
     tfds.display_progress_bar(False)
     builder.download_and_prepare(file_format="array_record")

@@ -119,3 +119,19 @@ def test_a_data_dir_nothing_can_be_written_into_is_one_line(tmp_path):
                               num_test=16)
   finally:
     subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_the_default_sizes_build_in_a_fresh_data_dir(tmp_path, capsys):
+  """The default sizes use the registered config (a name, not a
+  DomainConfig): a fresh data dir builds it, and a damaged one rebuilds."""
+  source = tfds_builder.load_split("reverse", "test", str(tmp_path))
+  assert len(source) == tfds_builder.DEFAULT_NUM_TEST
+  assert list(source)[:3] == domains.generate("reverse", "test", 3, seed=0)
+  assert "building the 'reverse' dataset in" in capsys.readouterr().out
+  folder = os.path.join(tmp_path, tfds_builder.MopdDomains.name, "reverse",
+                        str(tfds_builder.MopdDomains.VERSION))
+  with open(os.path.join(folder, "dataset_info.json"), "w") as f:
+    f.write("garbage{")
+  again = tfds_builder.load_split("reverse", "test", str(tmp_path))
+  assert list(again) == list(source)
+  assert "rebuilding it" in capsys.readouterr().err
