@@ -185,12 +185,12 @@ def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
   """Route, score and gather back: for each teacher ``j``, one forward pass
   over exactly the rows with ``teacher_ids == j`` (padded to a power of two
   of at least 8, and to the data-parallel size, so that few shapes
-  compile), moved to host
-  before the next teacher runs. Returns [B, T] arrays (and
+  compile); every teacher's pass is dispatched before the first result is
+  moved to host. Returns [B, T] arrays (and
   ``teacher_hidden`` [B, T, hidden_width], zero-padded in the last axis)."""
   batch, width = arrays["completion"].shape
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-  out: dict = {}
+  pending = []
   for j, (scorer, p) in enumerate(zip(scorers, params)):
     rows = np.flatnonzero(teacher_ids == j)
     if not rows.size:
@@ -202,8 +202,12 @@ def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
       batch_in = parallel.shard_batch(
           mesh, {k: arrays[k][idx] for k in ("prompt", "prompt_mask",
                                              "completion", "mask")})
-      result = parallel.to_host(scorer(p, **batch_in))
-    for key, value in result.items():
+      # Dispatched, not waited for: the next teacher's batch is prepared
+      # while this one scores.
+      pending.append((rows, scorer(p, **batch_in)))
+  out: dict = {}
+  for rows, result in pending:
+    for key, value in parallel.to_host(result).items():
       value = np.asarray(value)[:rows.size]
       if key not in out:
         tail = (hidden_width,) if value.ndim == 3 else ()
