@@ -53,7 +53,7 @@ def near_random_base(out: str, data_dir: str, model: list[str]) -> str:
 
 def ours(out: str, base: str, data_dir: str, domains, steps: int) -> dict:
   """Median seconds per MOPD step and completion tokens per step."""
-  workdir = os.path.join(out, f"mopd_{len(domains)}")
+  workdir = os.path.join(out, f"mopd_{len(domains)}_{domains[0]}")
   teachers = ",".join(f"{d}={base}" for d in domains)
   train(workdir, f"{ROOT}/configs/mopd.py", f"--config.init={base}",
         f"--config.teachers={teachers}",
@@ -148,6 +148,12 @@ def main():
   parser.add_argument("--steps", type=int, default=8)
   parser.add_argument("--out", default="runs/bench_mopd")
   parser.add_argument("--data_dir", default="")
+  parser.add_argument("--teachers", default="1,4",
+                      help="our runs: with this many teachers each (1: the"
+                      " chain domain; 2-4: the first n built-in domains)")
+  parser.add_argument("--base", default="", help="an existing run to use"
+                      " as the student and every teacher (default: a"
+                      " near-random base of the built-in model)")
   parser.add_argument("--model", default="",
                       help="the base's model overrides, e.g."
                       " 'embed_dim=32,num_layers=1'")
@@ -157,24 +163,26 @@ def main():
   data_dir = args.data_dir or os.path.join(out, "data")
   model = [f"--config.model.{kv}" for kv in filter(None,
                                                    args.model.split(","))]
-  base = near_random_base(out, data_dir, model)
-  figures = {"trl_1_teacher": trl_step(base, args.steps),
-             "ours_1_teacher": ours(out, base, data_dir, ("chain",),
-                                    args.steps),
-             "ours_4_teachers": ours(out, base, data_dir, DOMAINS,
-                                     args.steps)}
+  base = args.base or near_random_base(out, data_dir, model)
+  counts = [int(c) for c in args.teachers.split(",")]
+  figures = {"trl_1_teacher": trl_step(base, args.steps)}
+  for n in counts:
+    figures[f"ours_{n}_teachers"] = ours(
+        out, base, data_dir, ("chain",) if n == 1 else DOMAINS[:n],
+        args.steps)
   for name, f in figures.items():
     f["ms_per_token"] = 1e3 * f["seconds"] / f["tokens"]
     print(f"{name:16s} {f['seconds']:7.3f} s/step  {f['tokens']:6.0f}"
           f" completion tokens  {f['ms_per_token']:.3f} ms/token")
   trl = figures["trl_1_teacher"]["ms_per_token"]
-  figures["ratio_1"] = trl / figures["ours_1_teacher"]["ms_per_token"]
-  figures["ratio_4"] = trl / figures["ours_4_teachers"]["ms_per_token"]
+  ratios = {n: trl / figures[f"ours_{n}_teachers"]["ms_per_token"]
+            for n in counts}
+  figures["ratio"] = {str(n): r for n, r in ratios.items()}
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(figures, f, indent=2)
-  print(f"ratio per completion token (TRL / ours): one teacher"
-        f" {figures['ratio_1']:.2f}x, four teachers {figures['ratio_4']:.2f}x")
+  print("ratio per completion token (TRL / ours): " + ", ".join(
+      f"{n} teacher{'s' * (n > 1)} {r:.2f}x" for n, r in ratios.items()))
 
 
 if __name__ == "__main__":

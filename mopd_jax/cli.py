@@ -49,18 +49,25 @@ def parse_flags(argv):
     fail(flag_error(e, argv))
 
 
-def run(main: Callable[[], None]) -> None:
-  """``absl.app.run`` of ``main()`` with the contract above."""
+def run(main: Callable[..., None], commands: tuple[str, ...] = ()) -> None:
+  """``absl.app.run`` of ``main()`` with the contract above; with
+  ``commands``, the one positional argument must be one of them and is
+  passed on (``main(command)``)."""
 
   def wrapped(argv) -> None:
-    if len(argv) > 1:
-      fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = argv[1:]
+    if commands:
+      if len(args) != 1 or args[0] not in commands:
+        fail(f"expected one command, {' or '.join(commands)}; got"
+             f" {' '.join(args) or 'none'}")
+    elif args:
+      fail(f"unexpected arguments: {' '.join(args)}")
     if not flags.FLAGS["verbosity"].present:
       # Library logs, errors included (Orbax logs a failed background save
       # with its traceback), would bury the one line that says what to do.
       logging.set_verbosity(logging.FATAL)
     try:
-      main()
+      main(*args)
     except UserError as e:
       _exit(str(e))
     except KeyboardInterrupt:

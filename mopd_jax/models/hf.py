@@ -96,6 +96,15 @@ def to_hf(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
   return out
 
 
+def names(cfg: ModelConfig) -> list[str]:
+  """The Hugging Face names of every tensor of a model of ``cfg``."""
+  ours = dict(_leaves(jax.eval_shape(
+      lambda: decoder.init_params(cfg, jax.random.key(0)))))
+  return [t.name.format(i=i) for t in TENSORS if t.path in ours
+          for i in (range(cfg.num_layers) if t.path.startswith("layers/")
+                    else (0,))]
+
+
 def from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig):
   """Our (unboxed) parameters from ``{Hugging Face name: array}``: the
   inverse of ``to_hf``. Raises ``KeyError`` naming a missing tensor and

@@ -1,0 +1,231 @@
+"""Hugging Face checkpoints in and out of run directories.
+
+    python -m mopd_jax.convert import --hf_dir=D --out=RUN
+    python -m mopd_jax.convert export --run=RUN --out=D
+
+``import`` reads a Llama, Qwen2 or Qwen3 ``config.json`` and its
+safetensors (one file, or shards listed in ``model.safetensors.index.json``)
+into a run directory like any other: ``config.json`` (the model section
+and, when the checkpoint has a ``tokenizer.json``, that file's sha256 as
+the tokenizer fingerprint), a checkpoint of step 0 and ``summary.json``
+with the parameters' sha256; the tokenizer files are copied along. Each
+tensor is read from disk when its leaf is built (``models.hf.from_hf``
+walks ``TENSORS`` leaf by leaf), so at most one stacked leaf is held
+beside the result. ``export`` writes the run's parameters back as one
+``model.safetensors`` with the Hugging Face ``config.json`` (and the
+tokenizer files the run carries), loadable by ``transformers`` unchanged.
+Anything wrong (an unsupported architecture, a missing, extra or
+misshapen tensor, an output that exists) is one line and exit code 2,
+with nothing left at the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from mopd_jax import checkpointing, cli, parallel, runs, training
+from mopd_jax.errors import CheckpointError, UserError, reason
+from mopd_jax.models import hf
+from mopd_jax.models.config import ModelConfig
+
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "import: a Hugging Face"
+                              " checkpoint directory.")
+_RUN = flags.DEFINE_string("run", None, "export: the run directory.")
+_OUT = flags.DEFINE_string("out", None, "Where to write (must not exist).")
+
+FAMILIES = {"llama": {}, "qwen2": {"attention_bias": True},
+            "qwen3": {"qk_norm": True}}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def model_config(fields: dict, path: str) -> ModelConfig:
+  """Our ``ModelConfig`` from a Hugging Face ``config.json`` (``path``
+  names it in errors)."""
+  family = fields.get("model_type")
+  if family not in FAMILIES:
+    raise CheckpointError(f"{path}: model_type {family!r} is not supported"
+                          f" (supported: {', '.join(FAMILIES)})")
+  try:
+    heads = int(fields["num_attention_heads"])
+    hidden = int(fields["hidden_size"])
+    rope = fields.get("rope_theta") or (fields.get("rope_parameters") or {}
+                                        ).get("rope_theta", 10_000.0)
+    scaling = fields.get("rope_scaling") or (
+        fields.get("rope_parameters") or {}).get("rope_type", "default")
+    if scaling not in (None, "default") and not (
+        isinstance(scaling, dict) and scaling.get("rope_type") == "default"):
+      raise CheckpointError(f"{path}: rope scaling {scaling!r} is not"
+                            " supported")
+    return ModelConfig(
+        vocab_size=int(fields["vocab_size"]), embed_dim=hidden,
+        num_layers=int(fields["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(fields.get("num_key_value_heads") or heads),
+        head_dim=int(fields.get("head_dim") or hidden // heads),
+        mlp_dim=int(fields["intermediate_size"]), rope_theta=float(rope),
+        norm_eps=float(fields.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(fields.get("tie_word_embeddings", False)),
+        param_dtype="bfloat16" if fields.get("torch_dtype", fields.get(
+            "dtype")) == "bfloat16" else "float32",
+        **{k: v for k, v in FAMILIES[family].items()})
+  except KeyError as e:
+    raise CheckpointError(f"{path}: no {e.args[0]} field") from None
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{path}: {reason(e)}") from None
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise CheckpointError(f"{path}: not found") from None
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path}: unreadable ({reason(e)})") from None
+
+
+class Tensors(Mapping):
+  """``{name: array}`` over a checkpoint's safetensors files, each tensor
+  read when it is looked up."""
+
+  def __init__(self, hf_dir: str, stack: contextlib.ExitStack):
+    from safetensors import safe_open
+    index = os.path.join(hf_dir, INDEX_FILE)
+    if os.path.exists(index):
+      files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    else:
+      files = ["model.safetensors"]
+    self._where = {}
+    for name in files:
+      path = os.path.join(hf_dir, name)
+      try:
+        handle = stack.enter_context(safe_open(path, framework="flax"))
+      except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({reason(e)})") from None
+      for key in handle.keys():
+        self._where[key] = (handle, path)
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    handle, path = self._where[name]
+    try:
+      return np.asarray(handle.get_tensor(name))
+    except (OSError, ValueError, TypeError) as e:
+      raise CheckpointError(f"{path}: tensor {name}: {reason(e)}") from None
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._where)
+
+  def __len__(self) -> int:
+    return len(self._where)
+
+
+@contextlib.contextmanager
+def _output_dir(out: str):
+  """A temporary directory beside ``out``, renamed to ``out`` when the
+  body succeeds and removed when it fails."""
+  out = os.path.abspath(os.path.expanduser(out))
+  if os.path.exists(out):
+    raise UserError(f"--out: {out} exists; choose a new directory")
+  parent = os.path.dirname(out)
+  try:
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+  except OSError as e:
+    raise UserError(f"--out: cannot write in {parent} ({reason(e)})"
+                    ) from None
+  try:
+    yield tmp
+    os.replace(tmp, out)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def import_hf(hf_dir: str, out: str) -> dict:
+  """Write the Hugging Face checkpoint in ``hf_dir`` as a run directory at
+  ``out``; returns its summary."""
+  config_path = os.path.join(hf_dir, "config.json")
+  cfg = model_config(_read_json(config_path), config_path)
+  with contextlib.ExitStack() as stack, _output_dir(out) as tmp:
+    tensors = Tensors(hf_dir, stack)
+    expected = set(hf.names(cfg))
+    extra = sorted(set(tensors) - expected - {"lm_head.weight"}
+                   if cfg.tie_embeddings else set(tensors) - expected)
+    if extra:
+      raise CheckpointError(f"{hf_dir}: tensor {extra[0]} is not part of a"
+                            f" {len(expected)}-tensor {cfg.num_layers}-layer"
+                            " model of this config")
+    try:
+      params = hf.from_hf(tensors, cfg)
+    except (KeyError, ValueError) as e:
+      raise CheckpointError(f"{hf_dir}: {e.args[0]}") from None
+    ckpt = checkpointing.Checkpointer(tmp, every=1, keep=1)
+    try:
+      ckpt.save(0, {"params": jax.tree.map(jnp.asarray, params)},
+                force=True)
+    finally:
+      ckpt.close()
+    tokenizer = os.path.join(hf_dir, "tokenizer.json")
+    fingerprint = ""
+    if os.path.exists(tokenizer):
+      with open(tokenizer, "rb") as f:
+        fingerprint = "hf-" + hashlib.sha256(f.read()).hexdigest()[:16]
+    for name in TOKENIZER_FILES:
+      if os.path.exists(os.path.join(hf_dir, name)):
+        shutil.copy(os.path.join(hf_dir, name), tmp)
+    with open(os.path.join(tmp, runs.CONFIG_FILE), "w",
+              encoding="utf-8") as f:
+      json.dump({"method": "import", "hf_dir": os.path.abspath(hf_dir),
+                 "model": dataclasses.asdict(cfg), "tokenizer": fingerprint},
+                f, indent=2, sort_keys=True)
+    return training.write_summary(tmp, 0, params, hf_dir=hf_dir)
+
+
+def export_run(run_dir: str, out: str) -> None:
+  """Write the final parameters of the run in ``run_dir`` as a Hugging Face
+  checkpoint at ``out``."""
+  from safetensors.flax import save_file
+  run_config = runs.load_run_config(run_dir)
+  cfg = ModelConfig(**run_config.model.to_dict())
+  params = runs.load_params(run_dir, cfg, parallel.make_mesh(
+      data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]))
+  with _output_dir(out) as tmp:
+    tensors = {k: jnp.asarray(v)
+               for k, v in hf.to_hf(jax.device_get(params), cfg).items()}
+    save_file(tensors, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+      json.dump(hf.hf_config(cfg), f, indent=2)
+    for name in TOKENIZER_FILES:
+      if os.path.exists(os.path.join(run_dir, name)):
+        shutil.copy(os.path.join(run_dir, name), tmp)
+
+
+def main(command: str) -> None:
+  if command == "import":
+    if not _HF_DIR.value or not _OUT.value:
+      raise UserError("import needs --hf_dir and --out")
+    summary = import_hf(_HF_DIR.value, _OUT.value)
+    print(f"imported {_HF_DIR.value} -> {_OUT.value}"
+          f" (params sha256 {summary['params_sha256'][:12]})")
+  else:
+    if not _RUN.value or not _OUT.value:
+      raise UserError("export needs --run and --out")
+    export_run(_RUN.value, _OUT.value)
+    print(f"exported {_RUN.value} -> {_OUT.value}")
+
+
+if __name__ == "__main__":
+  cli.run(main, commands=("import", "export"))

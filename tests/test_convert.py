@@ -1,0 +1,122 @@
+"""Hugging Face checkpoints in and out: tiny random models of each family
+saved by transformers itself, imported into run directories and exported
+back, compared with transformers' own logits."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from conftest import ROOT  # noqa: E402
+from mopd_jax import convert, parallel, runs  # noqa: E402
+from mopd_jax.models import decoder  # noqa: E402
+from mopd_jax.models.config import ModelConfig  # noqa: E402
+
+FAMILIES = {
+    "llama": transformers.LlamaConfig(
+        vocab_size=61, hidden_size=40, intermediate_size=56,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, rope_theta=50_000.0, tie_word_embeddings=False),
+    "qwen2": transformers.Qwen2Config(
+        vocab_size=61, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        tie_word_embeddings=True),
+    "qwen3": transformers.Qwen3Config(
+        vocab_size=61, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=24, tie_word_embeddings=False),
+}
+
+
+def _saved(tmp_path, family, shard=False):
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(
+      FAMILIES[family], dtype=torch.float32).eval()
+  with torch.no_grad():  # every tensor away from its init, biases included
+    for p in model.parameters():
+      p.add_(0.05 * torch.randn_like(p))
+  path = tmp_path / f"hf_{family}"
+  model.save_pretrained(path, max_shard_size="20KB" if shard else "5GB")
+  return model, str(path)
+
+
+def _convert(*args):
+  return subprocess.run([sys.executable, "-m", "mopd_jax.convert", *args],
+                        capture_output=True, text=True, cwd=ROOT,
+                        timeout=300)
+
+
+TOKENS = np.random.default_rng(0).integers(0, 61, (2, 40))
+
+
+def _our_logits(run_dir):
+  cfg = ModelConfig(**runs.load_run_config(run_dir).model.to_dict())
+  params = runs.load_params(run_dir, cfg, parallel.make_mesh(
+      data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]))
+  logits, _ = decoder.apply(params, cfg, jnp.asarray(TOKENS, jnp.int32),
+                            jnp.ones(TOKENS.shape, jnp.int32))
+  return np.asarray(logits)
+
+
+@pytest.mark.parametrize("family,shard", [("llama", True), ("qwen2", False),
+                                          ("qwen3", False)])
+def test_import_then_export_matches_transformers(tmp_path, family, shard):
+  model, path = _saved(tmp_path, family, shard)
+  if shard:
+    assert os.path.exists(os.path.join(path, convert.INDEX_FILE))
+  run_dir = str(tmp_path / "run")
+  summary = convert.import_hf(path, run_dir)
+  assert runs.finished(run_dir) and summary["params_sha256"]
+  with torch.no_grad():
+    theirs = model(torch.from_numpy(TOKENS)).logits.numpy()
+  np.testing.assert_allclose(_our_logits(run_dir), theirs, atol=2e-5)
+  out = str(tmp_path / "exported")
+  convert.export_run(run_dir, out)
+  again = transformers.AutoModelForCausalLM.from_pretrained(
+      out, dtype=torch.float32).eval()
+  with torch.no_grad():
+    np.testing.assert_array_equal(
+        again(torch.from_numpy(TOKENS)).logits.numpy(), theirs)
+
+
+def test_cli_round_trip_and_one_line_errors(tmp_path):
+  _, path = _saved(tmp_path, "qwen3")
+  run_dir, out = str(tmp_path / "run"), str(tmp_path / "out")
+  result = _convert("import", f"--hf_dir={path}", f"--out={run_dir}")
+  assert result.returncode == 0, result.stderr[-2000:]
+  result = _convert("export", f"--run={run_dir}", f"--out={out}")
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
+                                     "model.safetensors"]
+
+  def one_line(result, *words):
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    for w in words:
+      assert w in lines[0], lines[0]
+
+  one_line(_convert("import", f"--hf_dir={path}", f"--out={run_dir}"),
+           "exists")
+  one_line(_convert("import", f"--out={tmp_path / 'x'}"), "--hf_dir")
+  one_line(_convert("convert", f"--out={tmp_path / 'x'}"), "import", "export")
+  config = json.loads(open(os.path.join(path, "config.json")).read())
+  for change, words in ((dict(model_type="gpt2"), ("gpt2", "supported")),
+                        (dict(num_hidden_layers=3),
+                         ("model.layers.2", "missing")),
+                        (dict(num_hidden_layers=1),
+                         ("model.layers.1", "not part"))):
+    with open(os.path.join(path, "config.json"), "w") as f:
+      json.dump(dict(config, **change), f)
+    bad = tmp_path / f"bad_{len(os.listdir(tmp_path))}"
+    one_line(_convert("import", f"--hf_dir={path}", f"--out={bad}"), *words)
+    assert not bad.exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".convert")]
