@@ -32,20 +32,13 @@ def load_jsonl(path: str, alphabet: str | None = ALPHABET,
   cannot be encoded is found here, not at the first evaluation after
   training.
   """
-  try:
-    with open(path, "rb") as f:
-      lines = f.read().split(b"\n")
-  except OSError as e:
-    raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
   allowed = None if alphabet is None else frozenset(alphabet)
   examples = []
-  for lineno, raw in enumerate(lines, start=1):
-    if not raw.strip():
-      continue
-    example = _parse_line(raw, f"{path}:{lineno}", allowed)
+  for where, record in json_records(path):
+    example = _parse_record(record, where, allowed)
     tokens = 1 + len(example.prompt)
     if max_prompt_len and alphabet is not None and tokens > max_prompt_len:
-      raise DataError(f"{path}:{lineno}: field 'prompt': {tokens} tokens"
+      raise DataError(f"{where}: field 'prompt': {tokens} tokens"
                       f" (with BOS) exceed data.max_prompt_len="
                       f"{max_prompt_len}")
     examples.append(example)
@@ -54,18 +47,37 @@ def load_jsonl(path: str, alphabet: str | None = ALPHABET,
   return examples
 
 
-def _parse_line(raw: bytes, where: str,
-                allowed: frozenset[str] | None) -> Example:
-  """The example on one non-blank line; ``where`` is ``path:lineno``."""
+def json_records(path: str) -> list[tuple[str, dict]]:
+  """``(path:line, object)`` for every non-blank line of the JSONL file at
+  ``path``; a line that is not UTF-8, not JSON or not an object is a
+  ``DataError`` naming it."""
   try:
-    record = json.loads(raw.decode("utf-8"))
-  except UnicodeDecodeError as e:
-    raise DataError(f"{where}: not UTF-8 ({e.reason})") from None
-  except json.JSONDecodeError as e:
-    raise DataError(f"{where}: bad JSON: {e.msg} at column {e.colno}") from None
-  if not isinstance(record, dict):
-    raise DataError(
-        f"{where}: expected a JSON object, got {type(record).__name__}")
+    with open(path, "rb") as f:
+      lines = f.read().split(b"\n")
+  except OSError as e:
+    raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+  records = []
+  for lineno, raw in enumerate(lines, start=1):
+    if not raw.strip():
+      continue
+    where = f"{path}:{lineno}"
+    try:
+      record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise DataError(f"{where}: not UTF-8 ({e.reason})") from None
+    except json.JSONDecodeError as e:
+      raise DataError(f"{where}: bad JSON: {e.msg} at column {e.colno}"
+                      ) from None
+    if not isinstance(record, dict):
+      raise DataError(
+          f"{where}: expected a JSON object, got {type(record).__name__}")
+    records.append((where, record))
+  return records
+
+
+def _parse_record(record: dict, where: str,
+                  allowed: frozenset[str] | None) -> Example:
+  """The example of one line's object; ``where`` is ``path:lineno``."""
   for field in _FIELDS:
     if field not in record:
       raise DataError(f"{where}: missing field {field!r}")

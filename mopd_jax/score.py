@@ -1,0 +1,155 @@
+"""Per-token log-probs of a model, and the MOPD signal against a teacher.
+
+    python -m mopd_jax.score --model=RUN --input=IN.jsonl --output=OUT.jsonl \
+        [--teacher=RUN] [--batch_size=32]
+
+Each input line is ``{"text": ...}`` (every token after BOS is scored) or
+``{"prompt": ..., "completion": ...}`` (the completion's tokens and the
+EOS that ends it, given BOS and the prompt). Each output line, in input
+order, has ``tokens`` (the scored token ids), ``pieces`` (their text) and
+``logprobs`` (``log pi(y_t | y_<t)`` under ``--model``). With
+``--teacher`` (a run of the same tokenizer) it also has
+``teacher_logprobs`` (``log T(y_t | y_<t)``), ``signal`` (``log T(y_t) -
+log pi(y_t)``, the per-token signal MOPD's ``pg`` loss follows, whose mean
+over sampled tokens estimates ``-KL(pi || T)``) and ``reverse_kl`` (the
+exact ``KL(pi || T) = sum_v pi(v) (log pi(v) - log T(v))`` at each
+position, what ``opd.loss=kl`` minimises). Every input line is checked
+before any scoring: a bad line is ``file:line: what is wrong`` and exit
+code 2, and the output is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from mopd_jax import cli, parallel, runs
+from mopd_jax.atomic import write_text_atomic
+from mopd_jax.data.jsonl import json_records
+from mopd_jax.errors import DataError, UserError
+from mopd_jax.models import decoder
+from mopd_jax.models.config import ModelConfig
+from mopd_jax.models.tokenizer import SPECIALS, CharTokenizer
+
+_MODEL = flags.DEFINE_string("model", None, "The run directory to score.")
+_INPUT = flags.DEFINE_string("input", None, "JSONL of {\"text\"} or"
+                             " {\"prompt\", \"completion\"} objects.")
+_OUTPUT = flags.DEFINE_string("output", None, "Where to write the JSONL.")
+_TEACHER = flags.DEFINE_string("teacher", "", "A teacher run: adds its"
+                               " log-probs, the MOPD signal and the KL.")
+_BATCH = flags.DEFINE_integer("batch_size", 32, "Lines scored at once.")
+
+
+def parse(path: str, tokenizer) -> list[tuple[list[int], int]]:
+  """``(token ids, index of the first scored token)`` per line of the
+  JSONL file at ``path``, in order."""
+  out = []
+  for where, record in json_records(path):
+    keys = sorted(k for k in ("text", "prompt", "completion") if k in record)
+    if keys not in (["text"], ["completion", "prompt"]):
+      raise DataError(f"{where}: expected the field 'text', or the fields"
+                      " 'prompt' and 'completion'")
+    for key in keys:
+      if not isinstance(record[key], str):
+        raise DataError(f"{where}: field {key!r} must be a string, got"
+                        f" {type(record[key]).__name__}")
+    try:
+      if keys == ["text"]:
+        ids = [tokenizer.bos_id] + tokenizer.encode(record["text"])
+        first = 1
+      else:
+        prompt = [tokenizer.bos_id] + tokenizer.encode(record["prompt"])
+        ids = prompt + tokenizer.encode(record["completion"]) + [
+            tokenizer.eos_id]
+        first = len(prompt)
+    except DataError as e:
+      raise DataError(f"{where}: {e}") from None
+    if first >= len(ids):
+      raise DataError(f"{where}: field 'text' is empty: nothing to score")
+    out.append((ids, first))
+  if not out:
+    raise DataError(f"{path}: no lines to score")
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _batch_logp(cfg, params, ids, segments):
+  """Full log-softmax [B, T - 1, V] at every position that predicts a
+  next token, and that token's log-prob [B, T - 1]."""
+  logits, _ = decoder.apply(params, cfg, ids, segments)
+  logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+  return logp, jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+
+
+def score_lines(lines, model, teacher=None, batch_size: int = 32
+                ) -> list[dict]:
+  """One record per line (``parse``'s output) for ``model``
+  (``(cfg, params)``) and optionally ``teacher``."""
+  tokenizer = CharTokenizer()
+  records = []
+  for start in range(0, len(lines), batch_size):
+    chunk = lines[start:start + batch_size]
+    width = max(len(ids) for ids, _ in chunk)
+    ids = np.zeros((len(chunk), width), np.int32)
+    segments = np.zeros_like(ids)
+    for row, (line, _) in enumerate(chunk):
+      ids[row, :len(line)], segments[row, :len(line)] = line, 1
+    logp, picked = _batch_logp(*model, ids, segments)
+    if teacher is not None:
+      t_logp, t_picked = _batch_logp(*teacher, ids, segments)
+      kl = jnp.sum(jnp.exp(logp) * (logp - t_logp), axis=-1)
+      t_picked, kl = np.asarray(t_picked), np.asarray(kl)
+    picked = np.asarray(picked)
+    for row, (line, first) in enumerate(chunk):
+      scored = slice(first - 1, len(line) - 1)  # position t predicts t + 1
+      record = {"tokens": line[first:],
+                "pieces": [SPECIALS[i] if i < len(SPECIALS)
+                           else tokenizer.decode([i]) for i in line[first:]],
+                "logprobs": picked[row, scored].tolist()}
+      if teacher is not None:
+        record["teacher_logprobs"] = t_picked[row, scored].tolist()
+        record["signal"] = (t_picked[row, scored]
+                            - picked[row, scored]).tolist()
+        record["reverse_kl"] = kl[row, scored].tolist()
+      records.append(record)
+  return records
+
+
+def load(run_dir: str, field: str, tokenizer):
+  """``(cfg, params)`` of the run in ``run_dir``, which must share
+  ``tokenizer``'s token ids (``field`` names the flag in errors)."""
+  run_config = runs.load_run_config(run_dir)
+  runs.check_same_tokens(run_dir, run_config, tokenizer, field)
+  cfg = ModelConfig(**run_config.model.to_dict())
+  mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1,
+                            devices=jax.devices()[:1])
+  return cfg, runs.load_params(run_dir, cfg, mesh)
+
+
+def main() -> None:
+  for flag in (_MODEL, _INPUT, _OUTPUT):
+    if not flag.value:
+      raise UserError(f"--{flag.name} is required")
+  if _BATCH.value < 1:
+    raise UserError(f"--batch_size: {_BATCH.value} is not > 0")
+  output = os.path.abspath(_OUTPUT.value)
+  if not os.path.isdir(os.path.dirname(output)):
+    raise UserError(f"--output: no directory {os.path.dirname(output)}")
+  tokenizer = CharTokenizer()
+  lines = parse(_INPUT.value, tokenizer)
+  model = load(_MODEL.value, "--model", tokenizer)
+  teacher = (load(_TEACHER.value, "--teacher", tokenizer)
+             if _TEACHER.value else None)
+  records = score_lines(lines, model, teacher, _BATCH.value)
+  write_text_atomic(output, "".join(json.dumps(r) + "\n" for r in records))
+  print(f"scored {len(records)} lines -> {output}")
+
+
+if __name__ == "__main__":
+  cli.run(main)
