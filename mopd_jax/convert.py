@@ -6,9 +6,10 @@
 ``import`` reads a Llama, Qwen2 or Qwen3 ``config.json`` and its
 safetensors (one file, or shards listed in ``model.safetensors.index.json``)
 into a run directory like any other: ``config.json`` (the model section
-and, when the checkpoint has a ``tokenizer.json``, that file's sha256 as
-the tokenizer fingerprint), a checkpoint of step 0 and ``summary.json``
-with the parameters' sha256; the tokenizer files are copied along. Each
+and the fingerprint of the checkpoint's ``tokenizer.json``, which it must
+have), a checkpoint of step 0 and ``summary.json`` with the parameters'
+sha256; the tokenizer files are copied along, so the run trains,
+evaluates and distils with that tokenizer. Each
 tensor is read from disk when its leaf is built (``models.hf.from_hf``
 walks ``TENSORS`` leaf by leaf), so at most one stacked leaf is held
 beside the result. ``export`` writes the run's parameters back as one
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -38,17 +38,12 @@ from absl import flags
 from mopd_jax import checkpointing, cli, parallel, runs, training
 from mopd_jax.errors import CheckpointError, UserError, reason
 from mopd_jax.models import hf
+from mopd_jax.models import tokenizer as tokenizer_lib
 from mopd_jax.models.config import ModelConfig
 
-_HF_DIR = flags.DEFINE_string("hf_dir", None, "import: a Hugging Face"
-                              " checkpoint directory.")
-_RUN = flags.DEFINE_string("run", None, "export: the run directory.")
-_OUT = flags.DEFINE_string("out", None, "Where to write (must not exist).")
 
 FAMILIES = {"llama": {}, "qwen2": {"attention_bias": True},
             "qwen3": {"qk_norm": True}}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "generation_config.json")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -158,6 +153,14 @@ def import_hf(hf_dir: str, out: str) -> dict:
   ``out``; returns its summary."""
   config_path = os.path.join(hf_dir, "config.json")
   cfg = model_config(_read_json(config_path), config_path)
+  tokenizer = tokenizer_lib.of_run(hf_dir)
+  if not isinstance(tokenizer, tokenizer_lib.HFTokenizer):
+    raise CheckpointError(f"{hf_dir}: no tokenizer.json, so the token ids"
+                          " of the checkpoint are unknown")
+  if not tokenizer.fits(cfg.vocab_size):
+    raise CheckpointError(f"{hf_dir}: the tokenizer has"
+                          f" {tokenizer.vocab_size} ids, the model only"
+                          f" {cfg.vocab_size} embeddings")
   with contextlib.ExitStack() as stack, _output_dir(out) as tmp:
     tensors = Tensors(hf_dir, stack)
     expected = set(hf.names(cfg))
@@ -177,14 +180,8 @@ def import_hf(hf_dir: str, out: str) -> dict:
                 force=True)
     finally:
       ckpt.close()
-    tokenizer = os.path.join(hf_dir, "tokenizer.json")
-    fingerprint = ""
-    if os.path.exists(tokenizer):
-      with open(tokenizer, "rb") as f:
-        fingerprint = "hf-" + hashlib.sha256(f.read()).hexdigest()[:16]
-    for name in TOKENIZER_FILES:
-      if os.path.exists(os.path.join(hf_dir, name)):
-        shutil.copy(os.path.join(hf_dir, name), tmp)
+    tokenizer_lib.copy_files(tokenizer, tmp)
+    fingerprint = tokenizer.fingerprint()
     with open(os.path.join(tmp, runs.CONFIG_FILE), "w",
               encoding="utf-8") as f:
       json.dump({"method": "import", "hf_dir": os.path.abspath(hf_dir),
@@ -208,24 +205,32 @@ def export_run(run_dir: str, out: str) -> None:
               metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
       json.dump(hf.hf_config(cfg), f, indent=2)
-    for name in TOKENIZER_FILES:
-      if os.path.exists(os.path.join(run_dir, name)):
-        shutil.copy(os.path.join(run_dir, name), tmp)
+    tokenizer_lib.copy_files(tokenizer_lib.of_run(run_dir), tmp)
+
+
+def define_flags() -> None:
+  """The command's flags (defined when it runs, not when imported)."""
+  flags.DEFINE_string("hf_dir", None, "import: a Hugging Face checkpoint"
+                      " directory.")
+  flags.DEFINE_string("run", None, "export: the run directory.")
+  flags.DEFINE_string("out", None, "Where to write (must not exist).")
 
 
 def main(command: str) -> None:
+  f = flags.FLAGS
   if command == "import":
-    if not _HF_DIR.value or not _OUT.value:
+    if not f.hf_dir or not f.out:
       raise UserError("import needs --hf_dir and --out")
-    summary = import_hf(_HF_DIR.value, _OUT.value)
-    print(f"imported {_HF_DIR.value} -> {_OUT.value}"
+    summary = import_hf(f.hf_dir, f.out)
+    print(f"imported {f.hf_dir} -> {f.out}"
           f" (params sha256 {summary['params_sha256'][:12]})")
   else:
-    if not _RUN.value or not _OUT.value:
+    if not f.run or not f.out:
       raise UserError("export needs --run and --out")
-    export_run(_RUN.value, _OUT.value)
-    print(f"exported {_RUN.value} -> {_OUT.value}")
+    export_run(f.run, f.out)
+    print(f"exported {f.run} -> {f.out}")
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.run(main, commands=("import", "export"))

@@ -26,7 +26,7 @@ from mopd_jax.data import splits
 from mopd_jax.data.domains import DOMAINS
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluation import evaluator, pass_at_k
-from mopd_jax.models.tokenizer import CharTokenizer
+from mopd_jax.models import tokenizer as tokenizer_lib
 
 _RUN = flags.DEFINE_string("run", None, "Run directory to evaluate.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 960,
@@ -61,11 +61,12 @@ def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
   config = runs.load_run_config(run_dir)
   path = output_path(run_dir, num_prompts, output)
   _check_writable(path, "--output" if output else "--run")
-  runs.check_same_tokens(run_dir, config, CharTokenizer(), "--run")
+  tokenizer = tokenizer_lib.of_run(run_dir)
+  runs.check_same_tokens(run_dir, config, tokenizer, "--run")
   config.data.eval_jsonl = ""
   config.data.test_examples = max(num_prompts, config.data.test_examples)
   config.eval.num_prompts = num_prompts
-  tokenizer, model_cfg, mesh = runs.setup(config)
+  tokenizer, model_cfg, mesh = runs.setup(config, tokenizer)
   with parallel.use_rules(config.mesh.get("rules", parallel.DEFAULT_RULES)):
     params = runs.load_params(run_dir, model_cfg, mesh)
     test = {d: list(exs)[:num_prompts]

@@ -24,7 +24,7 @@ from mopd_jax.training import SUMMARY_FILE
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
-from mopd_jax.models.tokenizer import CharTokenizer
+from mopd_jax.models import tokenizer as tokenizer_lib
 
 CONFIG_FILE = "config.json"
 
@@ -34,10 +34,13 @@ EVAL_FILE = "eval.json"
 def save_run_config(config, workdir: str) -> None:
   """``<workdir>/config.json``: how the run was configured (model included)
   and the fingerprint of its tokenizer, read back by later stages that start
-  from this run or use it as a teacher."""
+  from this run or use it as a teacher; a Hugging Face tokenizer's files
+  are copied beside it, so the run carries its tokenizer."""
+  tokenizer = tokenizer_lib.for_config(config)
+  tokenizer_lib.copy_files(tokenizer, workdir)
   write_json_atomic(
       os.path.join(workdir, CONFIG_FILE),
-      dict(config.to_dict(), tokenizer=CharTokenizer().fingerprint()))
+      dict(config.to_dict(), tokenizer=tokenizer.fingerprint()))
 
 
 def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
@@ -82,7 +85,7 @@ def check_same_tokens(run_dir: str, run_config, tokenizer, field: str) -> None:
   (a run that recorded none cannot be checked, and is refused). ``field``
   names the config field that points to the run."""
   vocab = run_config.model.get("vocab_size")
-  if vocab != tokenizer.vocab_size:
+  if not isinstance(vocab, int) or not tokenizer.fits(vocab):
     raise CheckpointError(
         f"{field}: {run_dir} has a vocabulary of {vocab} tokens, this run's"
         f" tokenizer {tokenizer.vocab_size}")
@@ -104,7 +107,8 @@ def resolve_model(config) -> None:
   names the model too; the run must share this run's token ids."""
   if "init" in config and config.init:
     run_config = load_run_config(config.init)
-    check_same_tokens(config.init, run_config, CharTokenizer(), "init")
+    check_same_tokens(config.init, run_config,
+                      tokenizer_lib.of_run(config.init), "init")
     config.model = run_config.model
 
 
@@ -123,7 +127,8 @@ def check_resumable(config, workdir: str) -> None:
   saved = load_run_config(workdir).to_dict()
   # Compared as JSON, the form config.json holds (tuples become lists).
   ours = json.loads(json.dumps(
-      dict(config.to_dict(), tokenizer=CharTokenizer().fingerprint())))
+      dict(config.to_dict(),
+           tokenizer=tokenizer_lib.for_config(config).fingerprint())))
   for key in ("method", "model", "tokenizer"):
     found = key in saved and _first_difference(saved[key], ours.get(key),
                                                key)
@@ -181,13 +186,14 @@ def _first_difference(theirs, mine, field: str):
   return None if theirs == mine else (field, theirs, mine)
 
 
-def setup(config):
-  """``(tokenizer, model_cfg, mesh)`` for ``config``, checked together."""
-  tokenizer = CharTokenizer()
+def setup(config, tokenizer=None):
+  """``(tokenizer, model_cfg, mesh)`` for ``config``, checked together; the
+  tokenizer is ``config``'s (its init run's) unless given."""
+  tokenizer = tokenizer or tokenizer_lib.for_config(config)
   model_cfg = config_lib.model_config(config)
-  if model_cfg.vocab_size != tokenizer.vocab_size:
-    raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size} differs from"
-                      f" the tokenizer's {tokenizer.vocab_size}")
+  if not tokenizer.fits(model_cfg.vocab_size):
+    raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size} does not"
+                      f" fit the tokenizer's {tokenizer.vocab_size} ids")
   mesh = parallel.make_mesh(**config.mesh)
   return tokenizer, model_cfg, mesh
 

@@ -3,9 +3,10 @@
     python -m mopd_jax.score --model=RUN --input=IN.jsonl --output=OUT.jsonl \
         [--teacher=RUN] [--batch_size=32]
 
-Each input line is ``{"text": ...}`` (every token after BOS is scored) or
-``{"prompt": ..., "completion": ...}`` (the completion's tokens and the
-EOS that ends it, given BOS and the prompt). Each output line, in input
+Each input line is ``{"text": ...}`` (every token after the first is
+scored) or ``{"prompt": ..., "completion": ...}`` (the completion's tokens
+and the EOS that ends it, given the prompt as the model reads it: BOS or
+the chat template first). The tokenizer is the model run's own. Each output line, in input
 order, has ``tokens`` (the scored token ids), ``pieces`` (their text) and
 ``logprobs`` (``log pi(y_t | y_<t)`` under ``--model``). With
 ``--teacher`` (a run of the same tokenizer) it also has
@@ -35,15 +36,8 @@ from mopd_jax.data.jsonl import json_records
 from mopd_jax.errors import DataError, UserError
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
-from mopd_jax.models.tokenizer import SPECIALS, CharTokenizer
+from mopd_jax.models import tokenizer as tokenizer_lib
 
-_MODEL = flags.DEFINE_string("model", None, "The run directory to score.")
-_INPUT = flags.DEFINE_string("input", None, "JSONL of {\"text\"} or"
-                             " {\"prompt\", \"completion\"} objects.")
-_OUTPUT = flags.DEFINE_string("output", None, "Where to write the JSONL.")
-_TEACHER = flags.DEFINE_string("teacher", "", "A teacher run: adds its"
-                               " log-probs, the MOPD signal and the KL.")
-_BATCH = flags.DEFINE_integer("batch_size", 32, "Lines scored at once.")
 
 
 def parse(path: str, tokenizer) -> list[tuple[list[int], int]]:
@@ -61,10 +55,11 @@ def parse(path: str, tokenizer) -> list[tuple[list[int], int]]:
                         f" {type(record[key]).__name__}")
     try:
       if keys == ["text"]:
-        ids = [tokenizer.bos_id] + tokenizer.encode(record["text"])
-        first = 1
+        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        ids = bos + tokenizer.encode(record["text"])
+        first = 1  # the first token has nothing before it
       else:
-        prompt = [tokenizer.bos_id] + tokenizer.encode(record["prompt"])
+        prompt = tokenizer.prompt_ids(record["prompt"])
         ids = prompt + tokenizer.encode(record["completion"]) + [
             tokenizer.eos_id]
         first = len(prompt)
@@ -87,11 +82,10 @@ def _batch_logp(cfg, params, ids, segments):
   return logp, jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
 
 
-def score_lines(lines, model, teacher=None, batch_size: int = 32
+def score_lines(lines, tokenizer, model, teacher=None, batch_size: int = 32
                 ) -> list[dict]:
   """One record per line (``parse``'s output) for ``model``
   (``(cfg, params)``) and optionally ``teacher``."""
-  tokenizer = CharTokenizer()
   records = []
   for start in range(0, len(lines), batch_size):
     chunk = lines[start:start + batch_size]
@@ -109,7 +103,7 @@ def score_lines(lines, model, teacher=None, batch_size: int = 32
     for row, (line, first) in enumerate(chunk):
       scored = slice(first - 1, len(line) - 1)  # position t predicts t + 1
       record = {"tokens": line[first:],
-                "pieces": [SPECIALS[i] if i < len(SPECIALS)
+                "pieces": ["<eos>" if i == tokenizer.eos_id
                            else tokenizer.decode([i]) for i in line[first:]],
                 "logprobs": picked[row, scored].tolist()}
       if teacher is not None:
@@ -132,24 +126,37 @@ def load(run_dir: str, field: str, tokenizer):
   return cfg, runs.load_params(run_dir, cfg, mesh)
 
 
+def define_flags() -> None:
+  """The command's flags (defined when it runs, not when imported, so that
+  other entry points can import this module)."""
+  flags.DEFINE_string("model", None, "The run directory to score.")
+  flags.DEFINE_string("input", None, "JSONL of {\"text\"} or"
+                      " {\"prompt\", \"completion\"} objects.")
+  flags.DEFINE_string("output", None, "Where to write the JSONL.")
+  flags.DEFINE_string("teacher", "", "A teacher run: adds its log-probs,"
+                      " the MOPD signal and the KL.")
+  flags.DEFINE_integer("batch_size", 32, "Lines scored at once.")
+
+
 def main() -> None:
-  for flag in (_MODEL, _INPUT, _OUTPUT):
-    if not flag.value:
-      raise UserError(f"--{flag.name} is required")
-  if _BATCH.value < 1:
-    raise UserError(f"--batch_size: {_BATCH.value} is not > 0")
-  output = os.path.abspath(_OUTPUT.value)
+  f = flags.FLAGS
+  for name in ("model", "input", "output"):
+    if not f[name].value:
+      raise UserError(f"--{name} is required")
+  if f.batch_size < 1:
+    raise UserError(f"--batch_size: {f.batch_size} is not > 0")
+  output = os.path.abspath(f.output)
   if not os.path.isdir(os.path.dirname(output)):
     raise UserError(f"--output: no directory {os.path.dirname(output)}")
-  tokenizer = CharTokenizer()
-  lines = parse(_INPUT.value, tokenizer)
-  model = load(_MODEL.value, "--model", tokenizer)
-  teacher = (load(_TEACHER.value, "--teacher", tokenizer)
-             if _TEACHER.value else None)
-  records = score_lines(lines, model, teacher, _BATCH.value)
+  tokenizer = tokenizer_lib.of_run(f.model)
+  lines = parse(f.input, tokenizer)
+  model = load(f.model, "--model", tokenizer)
+  teacher = load(f.teacher, "--teacher", tokenizer) if f.teacher else None
+  records = score_lines(lines, tokenizer, model, teacher, f.batch_size)
   write_text_atomic(output, "".join(json.dumps(r) + "\n" for r in records))
   print(f"scored {len(records)} lines -> {output}")
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.run(main)

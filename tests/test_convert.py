@@ -36,6 +36,18 @@ FAMILIES = {
 }
 
 
+def save_char_tokenizer(directory):
+  """A one-token-per-character Hugging Face tokenizer of 40 ids."""
+  from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+  chars = "0123456789abcdefghijklmnopqrstuvwxyz+"
+  vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", *chars])}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+  tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<bos>", "eos_token": "<eos>"}, f)
+
+
 def _saved(tmp_path, family, shard=False):
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(
@@ -45,6 +57,7 @@ def _saved(tmp_path, family, shard=False):
       p.add_(0.05 * torch.randn_like(p))
   path = tmp_path / f"hf_{family}"
   model.save_pretrained(path, max_shard_size="20KB" if shard else "5GB")
+  save_char_tokenizer(path)
   return model, str(path)
 
 
@@ -94,8 +107,9 @@ def test_cli_round_trip_and_one_line_errors(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   result = _convert("export", f"--run={run_dir}", f"--out={out}")
   assert result.returncode == 0, result.stderr[-2000:]
-  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
-                                     "model.safetensors"]
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors",
+                                     "tokenizer.json",
+                                     "tokenizer_config.json"]
 
   def one_line(result, *words):
     assert result.returncode == 2
@@ -113,7 +127,8 @@ def test_cli_round_trip_and_one_line_errors(tmp_path):
                         (dict(num_hidden_layers=3),
                          ("model.layers.2", "missing")),
                         (dict(num_hidden_layers=1),
-                         ("model.layers.1", "not part"))):
+                         ("model.layers.1", "not part")),
+                        (dict(vocab_size=30), ("40 ids", "30"))):
     with open(os.path.join(path, "config.json"), "w") as f:
       json.dump(dict(config, **change), f)
     bad = tmp_path / f"bad_{len(os.listdir(tmp_path))}"

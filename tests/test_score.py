@@ -49,7 +49,7 @@ def test_scores_match_each_line_alone_and_the_kl_numpy(tmp_path):
   assert lines[1][0][-1] == TOK.eos_id
   student = decoder.init_params(CFG, jax.random.key(0))
   teacher = decoder.init_params(CFG, jax.random.key(1))
-  out = score.score_lines(lines, (CFG, student), (CFG, teacher),
+  out = score.score_lines(lines, TOK, (CFG, student), (CFG, teacher),
                           batch_size=2)
   assert len(out) == 3
   for (ids, first), record in zip(lines, out):

@@ -16,7 +16,7 @@ from mopd_jax.errors import DataError
 
 def demonstration_tokens(example, tokenizer) -> tuple[list[int], int]:
   """``BOS prompt answer EOS`` ids and the index where the answer starts."""
-  prompt = [tokenizer.bos_id] + tokenizer.encode(example.prompt)
+  prompt = tokenizer.prompt_ids(example.prompt)
   return prompt + tokenizer.encode(example.answer) + [tokenizer.eos_id], len(
       prompt)
 
@@ -55,11 +55,12 @@ def pack_demonstrations(draw: Callable[[], object], tokenizer, rows: int,
 
 
 def encode_prompts(prompts: Sequence[str], tokenizer, width: int):
-  """Left-padded ``BOS prompt`` rows: ``(tokens, mask)``, each [B, width]."""
+  """Left-padded prompt rows (``tokenizer.prompt_ids``): ``(tokens,
+  mask)``, each [B, width]."""
   tokens = np.full((len(prompts), width), tokenizer.pad_id, np.int32)
   mask = np.zeros_like(tokens)
   for b, text in enumerate(prompts):
-    row = [tokenizer.bos_id] + tokenizer.encode(text)
+    row = tokenizer.prompt_ids(text)
     if len(row) > width:
       raise DataError(f"prompt {text[:60]!r}: {len(row)} tokens exceed"
                       f" data.max_prompt_len={width}")

@@ -9,6 +9,7 @@ from typing import Sequence
 from mopd_jax.data import tfds_builder
 from mopd_jax.data.domains import get_domain
 from mopd_jax.data.jsonl import load_jsonl
+from mopd_jax.models import tokenizer as tokenizer_lib
 
 VALIDATION = "validation"  # the split every choice is made on
 
@@ -29,7 +30,12 @@ def eval_sets(config, names: Sequence[str]) -> dict:
   if not config.data.eval_jsonl:
     return domain_splits(config, names, "test")
   sets: dict = {}
+  # Only the character tokenizer limits the characters, and counts a
+  # prompt's tokens by its length.
+  char = isinstance(tokenizer_lib.for_config(config),
+                    tokenizer_lib.CharTokenizer)
   for example in load_jsonl(os.path.expanduser(config.data.eval_jsonl),
+                            alphabet=tokenizer_lib.ALPHABET if char else None,
                             max_prompt_len=config.data.max_prompt_len):
     sets.setdefault(example.domain, []).append(example)
   return sets

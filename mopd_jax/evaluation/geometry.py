@@ -36,7 +36,7 @@ from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.evaluation.figures import png_bytes, pyplot
 from mopd_jax.fusion.teachers import parse_teachers
 from mopd_jax.models.config import ModelConfig
-from mopd_jax.models.tokenizer import CharTokenizer
+from mopd_jax.models import tokenizer as tokenizer_lib
 
 KINDS = {
     "attention": ("q", "k", "v", "o", "q_norm", "k_norm", "q_bias",
@@ -214,7 +214,7 @@ def from_runs(init: str, experts: str, domains: Sequence[str],
   ``domain=dir`` pairs) over the base run ``init``, each checked against
   the base's architecture and tokenizer."""
   base_config = runs.load_run_config(init)
-  tokenizer = CharTokenizer()
+  tokenizer = tokenizer_lib.of_run(init)
   runs.check_same_tokens(init, base_config, tokenizer, "--init")
   model_cfg = ModelConfig(**base_config.model.to_dict())
   dirs = parse_teachers(experts, tuple(domains), field="--experts")

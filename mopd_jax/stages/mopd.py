@@ -24,7 +24,7 @@ from mopd_jax.data import mixture
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.evaluation import headroom
 from mopd_jax.fusion import open_mopd, teachers
-from mopd_jax.models.tokenizer import CharTokenizer
+from mopd_jax.models import tokenizer as tokenizer_lib
 from mopd_jax.objectives import opd, policy
 from mopd_jax.ops import vocab
 from mopd_jax.reductions import masked_sum_count
@@ -241,7 +241,7 @@ class MOPD:
 def check(config) -> None:
   """Every teacher names a run that shares the student's token ids (before
   anything is written)."""
-  tokenizer = CharTokenizer()
+  tokenizer = tokenizer_lib.for_config(config)
   for run_dir in teachers.parse_teachers(
       config.teachers, tuple(config.data.domains)).values():
     runs.check_same_tokens(run_dir, runs.load_run_config(run_dir), tokenizer,
