@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import ROOT  # noqa: E402
 from mopd_jax import convert, parallel, runs  # noqa: E402
+from mopd_jax.errors import CheckpointError  # noqa: E402
 from mopd_jax.models import decoder  # noqa: E402
 from mopd_jax.models.config import ModelConfig  # noqa: E402
 
@@ -120,18 +121,26 @@ def test_cli_round_trip_and_one_line_errors(tmp_path):
 
   one_line(_convert("import", f"--hf_dir={path}", f"--out={run_dir}"),
            "exists")
-  one_line(_convert("import", f"--out={tmp_path / 'x'}"), "--hf_dir")
   one_line(_convert("convert", f"--out={tmp_path / 'x'}"), "import", "export")
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(model_type="gpt2"), ("gpt2", "supported")),
+    (dict(num_hidden_layers=3), ("model.layers.2", "missing")),
+    (dict(num_hidden_layers=1), ("model.layers.1", "not part")),
+    (dict(vocab_size=30), ("40 ids", "30")),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ("yarn",)),
+])
+def test_a_bad_checkpoint_is_one_error_and_leaves_nothing(tmp_path, change,
+                                                          words):
+  _, path = _saved(tmp_path, "qwen3")
   config = json.loads(open(os.path.join(path, "config.json")).read())
-  for change, words in ((dict(model_type="gpt2"), ("gpt2", "supported")),
-                        (dict(num_hidden_layers=3),
-                         ("model.layers.2", "missing")),
-                        (dict(num_hidden_layers=1),
-                         ("model.layers.1", "not part")),
-                        (dict(vocab_size=30), ("40 ids", "30"))):
-    with open(os.path.join(path, "config.json"), "w") as f:
-      json.dump(dict(config, **change), f)
-    bad = tmp_path / f"bad_{len(os.listdir(tmp_path))}"
-    one_line(_convert("import", f"--hf_dir={path}", f"--out={bad}"), *words)
-    assert not bad.exists()
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".convert")]
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(dict(config, **change), f)
+  out = tmp_path / "out"
+  with pytest.raises(CheckpointError) as e:
+    convert.import_hf(path, str(out))
+  for w in words:
+    assert w in str(e.value), str(e.value)
+  assert not out.exists()
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".convert")]
