@@ -17,7 +17,8 @@ from typing import Any, Callable
 import ml_collections
 
 from mopd_jax import parallel
-from mopd_jax.data.domains import DOMAINS, TRAIN_DOMAINS
+from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
+from mopd_jax.data.files import is_file_domain
 from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import merge
 from mopd_jax.objectives import grpo, opd
@@ -26,6 +27,15 @@ from mopd_jax.models.config import ModelConfig
 from mopd_jax.rollout.sampler import SamplingConfig
 
 ALL_DOMAINS = tuple(DOMAINS)
+
+
+def _domain(name) -> bool:
+  """A built-in domain's name or a file domain's ``<kind>:<path>``."""
+  return name in ALL_DOMAINS or (isinstance(name, str)
+                                  and is_file_domain(name))
+
+
+_DOMAINS = ", ".join(ALL_DOMAINS) + " or <kind>:<path> (data/files.py)"
 
 # (dotted field, predicate, what it must be): each section's checks sit
 # below the builder of its defaults; ``validate`` applies every one whose
@@ -104,8 +114,8 @@ _COMMON_CHECKS: Checks = (
     ("model.param_dtype", lambda v: v in ("float32", "bfloat16"),
      "float32 or bfloat16"),
     ("init", lambda v: bool(v), "the workdir of the run to start from"),
-    ("data.domains", lambda v: len(v) > 0 and set(v) <= set(ALL_DOMAINS),
-     "a non-empty tuple of " + ", ".join(ALL_DOMAINS)),
+    ("data.domains", lambda v: len(v) > 0 and all(map(_domain, v)),
+     "a non-empty tuple of " + _DOMAINS),
     ("data.weights", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
     ("data.train_examples", _positive, "> 0"),
@@ -232,8 +242,8 @@ def _on_policy(method: str) -> ml_collections.ConfigDict:
 
 
 _ON_POLICY_CHECKS: Checks = (
-    ("eval.domains", lambda v: len(v) > 0 and set(v) <= set(ALL_DOMAINS),
-     "a non-empty tuple of " + ", ".join(ALL_DOMAINS)),
+    ("eval.domains", lambda v: len(v) > 0 and all(map(_domain, v)),
+     "a non-empty tuple of " + _DOMAINS),
     ("rl.group_size", lambda v: v >= 2, ">= 2"),
     ("rl.prompts_per_step", _positive, "> 0"),
     ("rl.epochs", _positive, "> 0"),
@@ -270,7 +280,7 @@ def _grpo() -> ml_collections.ConfigDict:
 
 
 _GRPO_CHECKS: Checks = (
-    ("domain", lambda v: v in ALL_DOMAINS, "one of " + ", ".join(ALL_DOMAINS)),
+    ("domain", _domain, "one of " + _DOMAINS),
     ("stop.gain", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
     ("stop.num_prompts", _positive, "> 0"),
 )
@@ -585,7 +595,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def _validate_select(full) -> None:
-  if not set(full.data.domains) & set(TRAIN_DOMAINS):
+  if not [d for d in full.data.domains if d not in HELD_OUT_DOMAINS]:
     raise ConfigError("select.target: data.domains has no training domain to"
                       " select on")
   if full.train.eval_every <= 0:

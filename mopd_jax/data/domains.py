@@ -189,12 +189,17 @@ HELD_OUT_DOMAINS: tuple[str, ...] = ("reverse",)
 
 
 def get_domain(name: str) -> Domain:
-  """The registered domain called ``name``."""
+  """The built-in domain called ``name``, or the file domain it names
+  (``<kind>:<path>``, ``data/files.py``)."""
+  from mopd_jax.data import files  # files builds on this module
+  if files.is_file_domain(name):
+    return files.file_domain(name)
   try:
     return DOMAINS[name]
   except KeyError:
     raise DataError(
-        f"unknown domain {name!r}; known: {', '.join(DOMAINS)}") from None
+        f"unknown domain {name!r}; known: {', '.join(DOMAINS)}, or a file"
+        f" as {'|'.join(files.REWARDS)}:<path>") from None
 
 
 def completion_budget(domains, cap: int) -> int:
@@ -233,6 +238,8 @@ def generate(domain: str, split: str, n: int, seed: int) -> list[Example]:
     raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
   if n < 0 or seed < 0:
     raise DataError(f"need n >= 0 and seed >= 0, got n={n}, seed={seed}")
+  if hasattr(spec, "draw"):  # a file's records: drawn, not generated
+    return spec.draw(split, n, seed)
   # The domain enters through its name's crc32, not its position in DOMAINS,
   # so that adding a domain never changes another domain's data.
   rng = np.random.default_rng(

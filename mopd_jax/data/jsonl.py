@@ -87,9 +87,10 @@ def _parse_record(record: dict, where: str,
     if not record[field]:
       raise DataError(f"{where}: field {field!r} is empty")
   domain = record["domain"]
-  if domain not in domains.DOMAINS:
-    raise DataError(f"{where}: field 'domain': unknown domain {domain!r};"
-                    f" known: {', '.join(domains.DOMAINS)}")
+  try:
+    spec = domains.get_domain(domain)
+  except DataError as e:
+    raise DataError(f"{where}: field 'domain': {e}") from None
   if allowed is not None:
     for field in ("prompt", "answer"):
       bad = sorted(set(record[field]) - allowed)
@@ -98,7 +99,7 @@ def _parse_record(record: dict, where: str,
                         " are not in the tokenizer alphabet")
   example = Example(
       prompt=record["prompt"], answer=record["answer"], domain=domain)
-  if domains.DOMAINS[domain].verify(example.answer, example.answer) != 1.0:
+  if spec.verify(example.answer, example.answer) != 1.0:
     raise DataError(f"{where}: field 'answer': {example.answer[:40]!r} does not"
                     f" pass the {domain!r} verifier")
   return example

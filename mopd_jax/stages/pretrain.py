@@ -22,7 +22,7 @@ import numpy as np
 from mopd_jax import config as config_lib
 from mopd_jax import parallel, runs, training
 from mopd_jax.data import batching, mixture, splits
-from mopd_jax.data.domains import TRAIN_DOMAINS
+from mopd_jax.data.domains import HELD_OUT_DOMAINS
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluation import evaluator, headroom
 from mopd_jax.objectives.sft import make_train_step
@@ -117,7 +117,7 @@ def run(config, workdir: str):
                              config.checkpoint, config.train, test_eval,
                              desc="pretrain")
 
-  selected = [d for d in config.data.domains if d in TRAIN_DOMAINS]
+  selected = [d for d in config.data.domains if d not in HELD_OUT_DOMAINS]
   val_eval = evaluator.make_eval_fn(
       config, model_cfg, tokenizer,
       splits.domain_splits(config, selected, splits.VALIDATION), mesh,

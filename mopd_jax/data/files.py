@@ -1,0 +1,243 @@
+"""Domains from the user's own files: ``<kind>:<path>`` names a JSONL or
+Parquet file whose records become a domain with the verifier of ``kind``,
+usable wherever a built-in domain name is (``data.domains``, an expert's
+``domain``, the teachers' ``{domain}`` template, the study):
+
+* ``math``: ``{"prompt" or "question", "answer"}`` (GSM8K / MATH style).
+  The final answer of a text is the last ``\\boxed{...}``, else what follows
+  the last ``####``, else the last number. Graded with ``math-verify``
+  when it is installed, else by exact match after normalisation (commas,
+  ``$``, a trailing period and surrounding spaces dropped; numbers compared
+  as numbers).
+* ``choice``: ``{"prompt" or "question", "answer": a letter}`` with an
+  optional ``"choices"`` list, appended to the prompt as ``A. ...`` lines.
+  The answer is the first standalone capital letter of the completion
+  after the last ``answer``, else its first standalone capital letter.
+* ``constraints``: ``{"prompt", "constraints": [...]}``, instruction
+  following with each constraint its own checker (``CHECKS``); the reward
+  is 1 when every constraint holds.
+
+A record's split is the stable hash of its prompt (``domains.split_of``),
+as for the built-in domains. Every record is checked when the file is
+first read (``path:line: what is wrong``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from fractions import Fraction
+
+import numpy as np
+
+from mopd_jax.data import domains
+from mopd_jax.data.jsonl import json_records
+from mopd_jax.errors import DataError
+
+
+def _words(text: str) -> int:
+  return len(text.split())
+
+
+def _bullets(text: str) -> int:
+  return sum(1 for line in text.splitlines()
+             if line.lstrip().startswith(("- ", "* ")))
+
+
+def _is_json(text: str) -> bool:
+  try:
+    json.loads(text)
+  except ValueError:
+    return False
+  return True
+
+
+# Each checker: (its argument's name or None, check(completion, argument)).
+CHECKS = {
+    "min_words": ("value", lambda c, v: _words(c) >= v),
+    "max_words": ("value", lambda c, v: _words(c) <= v),
+    "min_chars": ("value", lambda c, v: len(c) >= v),
+    "max_chars": ("value", lambda c, v: len(c) <= v),
+    "include": ("keywords",
+                lambda c, ks: all(k.lower() in c.lower() for k in ks)),
+    "exclude": ("keywords",
+                lambda c, ks: not any(k.lower() in c.lower() for k in ks)),
+    "lowercase": (None, lambda c, _: c == c.lower()),
+    "uppercase": (None, lambda c, _: c == c.upper()),
+    "json": (None, lambda c, _: _is_json(c)),
+    "bullets": ("count", lambda c, n: _bullets(c) == n),
+}
+
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+_LETTER = re.compile(r"\b([A-J])\b")
+
+
+def final_answer(text: str) -> str:
+  """The last ``\\boxed{...}`` (braces balanced), else what follows the
+  last ``####``, else the last number, else the stripped text."""
+  start = text.rfind("\\boxed{")
+  if start >= 0:
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+      depth += {"{": 1, "}": -1}.get(text[j], 0)
+      if depth == 0:
+        return text[i:j].strip()
+  if "####" in text:
+    return text.rsplit("####", 1)[1].strip()
+  numbers = _NUMBER.findall(text)
+  return numbers[-1] if numbers else text.strip()
+
+
+def _normal(answer: str):
+  """A number when ``answer`` reads as one, else the cleaned string."""
+  text = answer.replace(",", "").replace("$", "").strip().rstrip(".")
+  try:
+    return Fraction(text)
+  except (ValueError, ZeroDivisionError):
+    return text
+
+
+def math_reward(completion: str, answer: str) -> float:
+  """1 when the completion's final answer equals the reference's."""
+  mine, ref = final_answer(completion), final_answer(answer)
+  try:
+    from math_verify import parse, verify
+  except ImportError:
+    return float(_normal(mine) == _normal(ref))
+  try:
+    return float(bool(verify(parse(f"${ref}$"), parse(f"${mine}$"))))
+  except Exception:  # pylint: disable=broad-except
+    return float(_normal(mine) == _normal(ref))
+
+
+def choice_letter(text: str) -> str:
+  """The chosen letter (module docstring), or ''."""
+  after = text.lower().rfind("answer")
+  found = _LETTER.search(text[after:]) if after >= 0 else None
+  found = found or _LETTER.search(text)
+  return found.group(1) if found else ""
+
+
+def choice_reward(completion: str, answer: str) -> float:
+  return float(choice_letter(completion) == answer.strip())
+
+
+def constraints_reward(completion: str, answer: str) -> float:
+  """1 when every constraint (``answer``: their JSON list) holds."""
+  return float(all(CHECKS[c["type"]][1](completion, c.get(
+      CHECKS[c["type"]][0])) for c in json.loads(answer)))
+
+
+REWARDS = {"math": math_reward, "choice": choice_reward,
+           "constraints": constraints_reward}
+
+
+def is_file_domain(name: str) -> bool:
+  return name.split(":", 1)[0] in REWARDS and ":" in name
+
+
+@dataclasses.dataclass(frozen=True)
+class FileDomain(domains.Domain):
+  """The records of one file, with the verifier of their kind."""
+  kind: str = "math"
+  records: tuple = ()
+
+  def _sample(self, rng: np.random.Generator) -> tuple[str, str]:
+    e = self.records[int(rng.integers(len(self.records)))]
+    return e.prompt, e.answer
+
+  def verify(self, completion: str, answer: str) -> float:
+    return REWARDS[self.kind](completion, answer)
+
+  def draw(self, split: str, n: int, seed: int) -> list[domains.Example]:
+    """``n`` examples of ``split``: for train drawn with replacement; for
+    the held-out splits the first ``n`` of a seeded order of its unique
+    prompts, or all of them when there are fewer."""
+    mine = [e for e in self.records if domains.split_of(e.prompt) == split]
+    if not mine:
+      raise DataError(f"{self.name}: no {split} records (a record's split is"
+                      " the hash of its prompt; the file needs more lines)")
+    rng = np.random.default_rng([seed, domains.SPLITS.index(split)])
+    if split in domains.HELD_OUT_SPLITS:
+      unique = list({e.prompt: e for e in mine}.values())
+      return [unique[i] for i in rng.permutation(len(unique))[:n]]
+    return [mine[i] for i in rng.integers(len(mine), size=n)]
+
+
+def _read(path: str) -> list[tuple[str, dict]]:
+  if path.endswith(".parquet"):
+    try:
+      import pyarrow.parquet as pq
+    except ImportError:
+      raise DataError(f"{path}: reading Parquet needs pyarrow"
+                      " (pip install pyarrow)") from None
+    try:
+      rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pylint: disable=broad-except
+      raise DataError(f"{path}: not a readable Parquet file"
+                      f" ({type(e).__name__})") from None
+    return [(f"{path}:{i + 1}", row) for i, row in enumerate(rows)]
+  return json_records(path)
+
+
+def _text(record: dict, where: str, *keys: str) -> str:
+  for key in keys:
+    if key in record:
+      if not isinstance(record[key], str) or not record[key].strip():
+        raise DataError(f"{where}: field {key!r} must be a non-empty string")
+      return record[key]
+  raise DataError(f"{where}: missing field " + " or ".join(map(repr, keys)))
+
+
+def _parse(kind: str, record: dict, where: str, name: str) -> domains.Example:
+  prompt = _text(record, where, "prompt", "question")
+  if kind == "constraints":
+    constraints = record.get("constraints")
+    if not isinstance(constraints, list) or not constraints:
+      raise DataError(f"{where}: field 'constraints' must be a non-empty"
+                      " list")
+    for c in constraints:
+      if not isinstance(c, dict) or c.get("type") not in CHECKS:
+        raise DataError(f"{where}: constraint {c!r}: 'type' must be one of"
+                        f" {', '.join(CHECKS)}")
+      arg = CHECKS[c["type"]][0]
+      if arg and arg not in c:
+        raise DataError(f"{where}: constraint {c['type']!r} needs {arg!r}")
+    answer = json.dumps(constraints)
+  else:
+    answer = _text(record, where, "answer")
+  if kind == "choice":
+    choices = record.get("choices", [])
+    if not isinstance(choices, list) or not all(
+        isinstance(c, str) for c in choices) or len(choices) > 10:
+      raise DataError(f"{where}: field 'choices' must be a list of at most"
+                      " 10 strings")
+    prompt += "".join(f"\n{chr(65 + i)}. {c}" for i, c in enumerate(choices))
+    if not re.fullmatch(r"[A-J]", answer.strip()):
+      raise DataError(f"{where}: field 'answer' must be one letter A-J,"
+                      f" got {answer[:20]!r}")
+  if kind == "math" and not ("\\boxed{" in answer or "####" in answer
+                              or _NUMBER.search(answer)):
+    raise DataError(f"{where}: field 'answer': no final answer in"
+                    f" {answer[:40]!r}")
+  return domains.Example(prompt=prompt, answer=answer, domain=name)
+
+
+@functools.lru_cache(maxsize=None)
+def file_domain(name: str) -> FileDomain:
+  """The domain ``<kind>:<path>``, its file read and checked once."""
+  kind, path = name.split(":", 1)
+  path = os.path.expanduser(path)
+  records = tuple(_parse(kind, record, where, name)
+                  for where, record in _read(path))
+  if not records:
+    raise DataError(f"{path}: no records")
+  return FileDomain(
+      name=name, held_out=False, kind=kind, records=records,
+      description=f"{kind} records of {path}",
+      # A user's task may reason before it answers: its completions get
+      # sampling.max_new_tokens, not a budget from the answers' length.
+      answer_chars=10**6)
