@@ -23,7 +23,7 @@ from mopd_jax.atomic import write_json_atomic
 from mopd_jax.training import SUMMARY_FILE
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
-from mopd_jax.models.config import ModelConfig
+from mopd_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from mopd_jax.models import tokenizer as tokenizer_lib
 
 CONFIG_FILE = "config.json"
@@ -129,6 +129,9 @@ def check_resumable(config, workdir: str) -> None:
   ours = json.loads(json.dumps(
       dict(config.to_dict(),
            tokenizer=tokenizer_lib.for_config(config).fingerprint())))
+  for run in (saved, ours):
+    for key in EXECUTION_FIELDS:
+      run.get("model", {}).pop(key, None)
   for key in ("method", "model", "tokenizer"):
     found = key in saved and _first_difference(saved[key], ours.get(key),
                                                key)
@@ -253,7 +256,7 @@ def check_same_model(run_dir: str, run_config, model_cfg, field: str) -> None:
   parameters are combined entry by entry with this run's)."""
   theirs = run_config.model.to_dict()
   for key, mine in dataclasses.asdict(model_cfg).items():
-    if theirs.get(key) != mine:
+    if key not in EXECUTION_FIELDS and theirs.get(key) != mine:
       raise CheckpointError(f"{field}: {run_dir} has model.{key} ="
                             f" {theirs.get(key)!r}, the base {mine!r}")
 

@@ -13,7 +13,9 @@ class ModelConfig:
   is Qwen2's bias on the q/k/v projections, ``tie_embeddings`` reuses the input
   embedding as the output projection. ``remat`` recomputes each layer's
   activations in the backward pass instead of keeping them (memory for
-  compute; values and gradients unchanged).
+  compute; values and gradients unchanged). ``attention_chunk`` > 0 attends
+  over blocks of that many keys with an online softmax (``decoder.attend``):
+  memory linear in the length instead of quadratic, the same values.
   """
   vocab_size: int = 58
   embed_dim: int = 128
@@ -30,6 +32,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
+  attention_chunk: int = 0
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -49,6 +52,10 @@ class ModelConfig:
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.vocab_size * d + self.num_layers * per_layer + d + head
 
+
+# Fields that change how a model is computed, not what: runs that differ in
+# them share parameters, resume each other and combine entry by entry.
+EXECUTION_FIELDS = ("remat", "attention_chunk")
 
 PRESETS = {
     "tiny": ModelConfig(),

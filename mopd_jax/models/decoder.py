@@ -15,6 +15,7 @@ slots of its own segment only.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -147,12 +148,96 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
   return t - jax.lax.cummax(starts, axis=1)
 
 
+class Span(NamedTuple):
+  """Who may attend to whom: the queries' segment ids and slots [B, T],
+  the keys' segment ids [B, S] and slots [S]."""
+  q_segments: jax.Array
+  q_slots: jax.Array
+  kv_segments: jax.Array
+  kv_slots: jax.Array
+
+
 def attention_mask(q_segments, q_slots, kv_segments, kv_slots) -> jax.Array:
   """``mask[b, t, s] = seg_kv[s] == seg_q[t] != 0  and  slot_kv[s] <= slot_q[t]``."""
   same = (q_segments[:, :, None] == kv_segments[:, None, :]) & (
       kv_segments[:, None, :] != 0)
   causal = kv_slots[None, None, :] <= q_slots[:, :, None]
   return same & causal
+
+
+def _grouped(q, K):
+  """[B, T, H, d] queries as [B, K, G*T, d]: each kv head's G query heads'
+  T queries as the rows of one matrix."""
+  B, T, H, d = q.shape
+  return q.reshape(B, T, K, H // K, d).transpose(0, 2, 3, 1, 4).reshape(
+      B, K, (H // K) * T, d)
+
+
+def _ungrouped(out, T):
+  """The inverse of ``_grouped``: [B, K, G*T, d] -> [B, T, H, d]."""
+  B, K, R, d = out.shape
+  return out.reshape(B, K, R // T, T, d).transpose(0, 3, 1, 2, 4).reshape(
+      B, T, K * (R // T), d)
+
+
+def attend(q, k, v, span: Span, chunk: int = 0):
+  """``softmax(q k^T / sqrt(d) + mask) v`` (``attention_mask`` of ``span``):
+  with ``chunk`` 0 over all keys at once (``_attend``), else over blocks of
+  ``chunk`` keys with an online softmax that never holds more than one
+  block's scores (``_attend_chunked``; recomputed in the backward pass)."""
+  if chunk <= 0 or k.shape[2] <= chunk:
+    return _attend(q, k, v, attention_mask(*span))
+  return _attend_chunked(q, k, v, span, chunk)
+
+
+def _attend_chunked(q, k, v, span: Span, chunk: int):
+  """Blocked attention: for key blocks ``j``, with ``s_j = q k_j^T /
+  sqrt(d)`` (masked to -1e30), a running max ``m``, denominator ``l`` and
+  output ``o``::
+
+      m' = max(m, max s_j),  c = exp(m - m'),
+      l' = c l + sum exp(s_j - m'),  o' = c o + exp(s_j - m') v_j
+
+  and ``o / l`` at the end: the same softmax, ``[T, chunk]`` scores at a
+  time instead of ``[T, S]``. Keys are padded to a multiple of ``chunk``
+  (segment 0: never attended)."""
+  B, T, H, d = q.shape
+  K, S = k.shape[1], k.shape[2]
+  n = -(-S // chunk)
+  pad = n * chunk - S
+  kv_seg = jnp.pad(span.kv_segments, ((0, 0), (0, pad)))
+  kv_slot = jnp.pad(span.kv_slots, (0, pad))
+  blocks = (
+      jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
+          B, K, n, chunk, d).transpose(2, 0, 1, 3, 4),
+      jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
+          B, K, n, chunk, d).transpose(2, 0, 1, 3, 4),
+      kv_seg.reshape(B, n, chunk).transpose(1, 0, 2),
+      kv_slot.reshape(n, chunk))
+  qg = _grouped(q, K)
+  G = H // K
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def step(carry, block):
+    m, l, o = carry
+    kj, vj, seg_j, slot_j = block
+    s = jnp.einsum("bkrd,bksd->bkrs", qg, kj,
+                   preferred_element_type=jnp.float32) * d ** -0.5
+    mask = attention_mask(span.q_segments, span.q_slots, seg_j, slot_j)
+    s = jnp.where(mask[:, None, None], s.reshape(B, K, G, T, chunk),
+                  -1e30).reshape(B, K, G * T, chunk)
+    m_new = jnp.maximum(m, s.max(-1))
+    c = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    o = c[..., None] * o + jnp.einsum("bkrs,bksd->bkrd", p.astype(vj.dtype),
+                                      vj).astype(jnp.float32)
+    return (m_new, c * l + p.sum(-1), o), None
+
+  init = (jnp.full((B, K, G * T), -jnp.inf, jnp.float32),
+          jnp.zeros((B, K, G * T), jnp.float32),
+          jnp.zeros((B, K, G * T, d), jnp.float32))
+  (_, l, o), _ = jax.lax.scan(step, init, blocks)
+  return _ungrouped((o / l[..., None]).astype(v.dtype), T)
 
 
 def _attend(q, k, v, mask):
@@ -168,19 +253,17 @@ def _attend(q, k, v, mask):
   B, T, H, d = q.shape
   K, S = k.shape[1], k.shape[2]
   G = H // K
-  q = q.reshape(B, T, K, G, d).transpose(0, 2, 3, 1, 4).reshape(
-      B, K, G * T, d)
+  q = _grouped(q, K)
   scores = jnp.einsum("bkrd,bksd->bkrs", q, k,
                       preferred_element_type=jnp.float32) * d ** -0.5
   scores = jnp.where(mask[:, None, None], scores.reshape(B, K, G, T, S),
                      -1e30)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkrs,bksd->bkrd", probs.reshape(B, K, G * T, S), v)
-  return out.reshape(B, K, G, T, d).transpose(0, 3, 1, 2, 4).reshape(
-      B, T, H, d)
+  return _ungrouped(out, T)
 
 
-def _layer(cfg: ModelConfig, x, p, positions, mask, kv_cache, index):
+def _layer(cfg: ModelConfig, x, p, positions, span, kv_cache, index):
   """One pre-norm block: ``x += Attn(norm(x)); x += SwiGLU(norm(x))``.
 
   ``kv_cache``: None, or ``(k, v, layer)`` with the whole stacked cache
@@ -212,7 +295,7 @@ def _layer(cfg: ModelConfig, x, p, positions, mask, kv_cache, index):
     kv_cache = (k_cache, v_cache)
   else:
     k_all, v_all = k, v
-  attn = _attend(q, k_all, v_all, mask)
+  attn = attend(q, k_all, v_all, span, cfg.attention_chunk)
   x = x + jnp.einsum("bthk,hkd->btd", attn, p["o"].astype(dt))
   x = parallel.constrain(x, ("batch", "length", "embed"))
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
@@ -249,20 +332,20 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
   x = parallel.constrain(x, ("batch", "length", "embed"))
   if cache is None:
     slots = jnp.arange(T)
-    mask = attention_mask(segment_ids, slots[None].repeat(tokens.shape[0], 0),
-                          segment_ids, slots)
+    span = Span(segment_ids, slots[None].repeat(tokens.shape[0], 0),
+                segment_ids, slots)
     index = None
   else:
     index = cache.index
     kv_segments = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids,
                                                (0, index))
     q_slots = (index + jnp.arange(T))[None].repeat(tokens.shape[0], 0)
-    mask = attention_mask(segment_ids, q_slots, kv_segments,
-                          jnp.arange(cache.segment_ids.shape[1]))
+    span = Span(segment_ids, q_slots, kv_segments,
+                jnp.arange(cache.segment_ids.shape[1]))
 
   if cache is None:
     def body(x, p):
-      return _layer(cfg, x, p, positions, mask, None, None)[0], None
+      return _layer(cfg, x, p, positions, span, None, None)[0], None
 
     if cfg.remat:
       # Keeps only each layer's input for the backward pass.
@@ -273,7 +356,7 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
   def cached_body(carry, layer):
     x, k, v = carry
     p, i = layer
-    x, (k, v) = _layer(cfg, x, p, positions, mask, (k, v, i), index)
+    x, (k, v) = _layer(cfg, x, p, positions, span, (k, v, i), index)
     return (x, k, v), None
 
   (x, k, v), _ = jax.lax.scan(cached_body, (x, cache.k, cache.v),
