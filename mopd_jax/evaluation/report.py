@@ -95,7 +95,8 @@ def mean_over(accuracy: Mapping[str, float], domains: Sequence[str]) -> float:
 
 def recommendation(results: Mapping) -> dict:
   """Which paradigm when, from this study's numbers: the best of each
-  paradigm on the training-domain mean (greedy), each domain's winner, and
+  paradigm on the training-domain mean (greedy), each domain's winner (and
+  the paradigms tied with it within two standard errors), and
   each paradigm's compute; with where that agrees with the published
   guideline (Merge when experts exist and cheap fusion matters, Mix RL when
   there are no experts, MOPD when each domain's gain matters most)."""
@@ -113,8 +114,20 @@ def recommendation(results: Mapping) -> dict:
       best[family] = dict(model=name, mean=mean_over(
           methods[name]["accuracy"], domains),
                           flops=cost.get("with_experts", cost).get("flops"))
-  winners = {d: max(best, key=lambda f: methods[best[f]["model"]][
-      "accuracy"][d]) for d in domains} if best else {}
+  def accuracy(family, d):
+    return methods[best[family]["model"]]["accuracy"][d]
+
+  def stderr(family, d):
+    return methods[best[family]["model"]].get("stderr", {}).get(d, 0.0)
+
+  winners = {d: max(best, key=lambda f: accuracy(f, d))
+             for d in domains} if best else {}
+  # Paradigms within two standard errors of the difference from the winner
+  # (sqrt(se_w^2 + se_f^2)): at this many prompts, a tie.
+  tied = {d: sorted((f for f in best if accuracy(w, d) - accuracy(f, d)
+                      <= 2 * (stderr(w, d) ** 2 + stderr(f, d) ** 2) ** 0.5),
+                     key=lambda f, d=d: -accuracy(f, d))
+          for d, w in winners.items()}
   lines = []
   if best:
     top = max(best, key=lambda f: best[f]["mean"])
@@ -125,8 +138,9 @@ def recommendation(results: Mapping) -> dict:
     spread = max(b["mean"] for b in best.values()) - min(
         b["mean"] for b in best.values())
     lines.append(f"The paradigms' means differ by {100 * spread:.1f} points;"
-                 " per domain the winner is " + ", ".join(
-                     f"{d}: {f}" for d, f in winners.items()) + ".")
+                 " per domain the best (with those within two standard"
+                 " errors) is " + ", ".join(
+                     f"{d}: {' = '.join(tied[d])}" for d in winners) + ".")
     if "merge" in best and "mopd" in best and best["mopd"].get("flops"):
       ratio = (best["merge"].get("flops") or 0) / best["mopd"]["flops"]
       lines.append(
@@ -138,8 +152,9 @@ def recommendation(results: Mapping) -> dict:
                            " so the guideline's 'cheap fusion' costs accuracy"
                            " on these domains") + ".")
     if "mopd" in best:
-      keeps = [d for d in domains if winners.get(d) == "mopd"]
-      lines.append(f"MOPD wins {len(keeps)} of {len(domains)} domains"
+      keeps = [d for d in domains if "mopd" in tied.get(d, ())]
+      lines.append(f"MOPD is best or tied on {len(keeps)} of"
+                   f" {len(domains)} domains"
                    + (f" ({', '.join(keeps)})" if keeps else "")
                    + ("; the guideline's choice when each domain's gain"
                       " matters most" if len(keeps) * 2 >= len(domains)
@@ -149,4 +164,4 @@ def recommendation(results: Mapping) -> dict:
       lines.append("Mix RL needs no experts: "
                    f"{100 * best['mix_rl']['mean']:.1f}% mean, the choice"
                    " when no experts exist.")
-  return dict(best=best, winners=winners, text=" ".join(lines))
+  return dict(best=best, winners=winners, tied=tied, text=" ".join(lines))

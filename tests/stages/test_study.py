@@ -141,7 +141,18 @@ def test_recommendation_names_the_best_of_each_paradigm():
   assert rec["winners"] == {"add": "mopd", "sort": "mopd"}
   assert "mopd (mopd, 70.0%)" in rec["text"]
   assert "Merge costs 0.10x MOPD's compute" in rec["text"]
-  assert "MOPD wins 2 of 2 domains" in rec["text"]
+  assert "MOPD is best or tied on 2 of 2 domains" in rec["text"]
+  # With standard errors of 0.02 a gap of 0.05 is a tie (2 sqrt(2) 0.02 =
+  # 0.057), one of 0.1 is not.
+  for m in results["methods"].values():
+    m["stderr"] = {"add": 0.02, "sort": 0.02}
+  results["methods"]["mix_rl"]["accuracy"]["add"] = 0.85
+  results["methods"]["mopd"]["accuracy"]["sort"] = 0.38
+  rec = report.recommendation(results)
+  assert rec["winners"] == {"add": "mix_rl", "sort": "merge"}
+  assert rec["tied"] == {"add": ["mix_rl", "mopd"], "sort": ["merge"]}
+  assert "add: mix_rl = mopd, sort: merge" in rec["text"]
+  assert "MOPD is best or tied on 1 of 2 domains (add)" in rec["text"]
 
 
 def test_eta_is_the_priors_at_this_machines_pace():
