@@ -245,6 +245,16 @@ def load_params(run_dir: str, model_cfg, mesh):
   return params
 
 
+def final_model(run_dir: str, mesh=None):
+  """``(model_cfg, params)``: a run's architecture and final parameters,
+  sharded over ``mesh`` (one device when None: the tools that read a run
+  outside training)."""
+  cfg = ModelConfig(**load_run_config(run_dir).model.to_dict())
+  mesh = mesh or parallel.make_mesh(data=1, fsdp=1, tensor=1,
+                                    devices=jax.devices()[:1])
+  return cfg, load_params(run_dir, cfg, mesh)
+
+
 def finished(run_dir: str) -> bool:
   """Whether the run in ``run_dir`` ended (its summary is written last)."""
   return os.path.exists(os.path.join(os.path.expanduser(run_dir),

@@ -26,17 +26,16 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from mopd_jax import cli, parallel, runs
+from mopd_jax import cli, runs
 from mopd_jax.atomic import write_text_atomic
 from mopd_jax.data.jsonl import json_records
 from mopd_jax.errors import DataError, UserError
 from mopd_jax.models import decoder
-from mopd_jax.models.config import ModelConfig
 from mopd_jax.models import tokenizer as tokenizer_lib
+from mopd_jax.ops import vocab
 
 
 
@@ -74,12 +73,26 @@ def parse(path: str, tokenizer) -> list[tuple[list[int], int]]:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _batch_logp(cfg, params, ids, segments):
-  """Full log-softmax [B, T - 1, V] at every position that predicts a
-  next token, and that token's log-prob [B, T - 1]."""
-  logits, _ = decoder.apply(params, cfg, ids, segments)
-  logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-  return logp, jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+def _hidden(cfg, params, ids, segments):
+  """Final hidden states [B, T - 1, D] at every position that predicts a
+  next token, and the unembedding [D, V]."""
+  h, _ = decoder.hidden_states(params, cfg, ids, segments)
+  return h[:, :-1], decoder.output_weight(params, cfg)
+
+
+@jax.jit
+def _scores(h, w, ids, mask):
+  """Each next token's log-prob [B, T - 1], through the fused vocabulary
+  op (no [B, T, V] logits)."""
+  return vocab.token_logprobs(h, w.astype(h.dtype), ids[:, 1:], mask=mask)
+
+
+@jax.jit
+def _reverse_kl(h, w, teacher_h, teacher_w, mask):
+  """``KL(pi || T)`` at every position [B, T - 1], fused likewise."""
+  return vocab.vocab_kl(h, w.astype(h.dtype), teacher_h,
+                        teacher_w.astype(teacher_h.dtype),
+                        mask=mask).reverse
 
 
 def score_lines(lines, tokenizer, model, teacher=None, batch_size: int = 32
@@ -94,12 +107,13 @@ def score_lines(lines, tokenizer, model, teacher=None, batch_size: int = 32
     segments = np.zeros_like(ids)
     for row, (line, _) in enumerate(chunk):
       ids[row, :len(line)], segments[row, :len(line)] = line, 1
-    logp, picked = _batch_logp(*model, ids, segments)
+    mask = segments[:, 1:]
+    h, w = _hidden(*model, ids, segments)
+    picked = np.asarray(_scores(h, w, ids, mask))
     if teacher is not None:
-      t_logp, t_picked = _batch_logp(*teacher, ids, segments)
-      kl = jnp.sum(jnp.exp(logp) * (logp - t_logp), axis=-1)
-      t_picked, kl = np.asarray(t_picked), np.asarray(kl)
-    picked = np.asarray(picked)
+      t_h, t_w = _hidden(*teacher, ids, segments)
+      t_picked = np.asarray(_scores(t_h, t_w, ids, mask))
+      kl = np.asarray(_reverse_kl(h, w, t_h, t_w, mask))
     for row, (line, first) in enumerate(chunk):
       scored = slice(first - 1, len(line) - 1)  # position t predicts t + 1
       record = {"tokens": line[first:],
@@ -118,12 +132,9 @@ def score_lines(lines, tokenizer, model, teacher=None, batch_size: int = 32
 def load(run_dir: str, field: str, tokenizer):
   """``(cfg, params)`` of the run in ``run_dir``, which must share
   ``tokenizer``'s token ids (``field`` names the flag in errors)."""
-  run_config = runs.load_run_config(run_dir)
-  runs.check_same_tokens(run_dir, run_config, tokenizer, field)
-  cfg = ModelConfig(**run_config.model.to_dict())
-  mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1,
-                            devices=jax.devices()[:1])
-  return cfg, runs.load_params(run_dir, cfg, mesh)
+  runs.check_same_tokens(run_dir, runs.load_run_config(run_dir), tokenizer,
+                         field)
+  return runs.final_model(run_dir)
 
 
 def define_flags() -> None:
