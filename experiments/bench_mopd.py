@@ -80,29 +80,19 @@ def trl_step(base: str, steps: int) -> dict:
   import datasets
   import torch
   import transformers
-  from tokenizers import Regex, Tokenizer, models, pre_tokenizers
   from trl import DistillationConfig, DistillationTrainer
 
-  import jax
-
-  from mopd_jax import parallel, runs
+  from mopd_jax import runs
   from mopd_jax.data import domains
   from mopd_jax.models import hf
-  from mopd_jax.models.config import ModelConfig
-  from mopd_jax.models.tokenizer import SPECIALS, CharTokenizer
+  from mopd_jax.models.tokenizer import CharTokenizer
 
-  chars = CharTokenizer()
-  vocab = {s: i for i, s in enumerate(SPECIALS)}
-  vocab.update({c: i + len(SPECIALS) for i, c in enumerate(chars.alphabet)})
-  tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[0]))
-  tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-  fast = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok, pad_token=SPECIALS[0], bos_token=SPECIALS[1],
-      eos_token=SPECIALS[2], padding_side="left")
+  files = os.path.join(os.path.dirname(base), "char_tokenizer")
+  CharTokenizer().save_hf(files)
+  fast = transformers.AutoTokenizer.from_pretrained(files,
+                                                    padding_side="left")
 
-  cfg = ModelConfig(**runs.load_run_config(base).model)
-  params = runs.load_params(base, cfg, parallel.make_mesh(
-      data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]))
+  cfg, params = runs.final_model(base)
   config = transformers.AutoConfig.for_model(
       **hf.hf_config(cfg), pad_token_id=0, bos_token_id=1, eos_token_id=2)
 

@@ -13,8 +13,8 @@ evaluates and distils with that tokenizer. Each
 tensor is read from disk when its leaf is built (``models.hf.from_hf``
 walks ``TENSORS`` leaf by leaf), so at most one stacked leaf is held
 beside the result. ``export`` writes the run's parameters back as one
-``model.safetensors`` with the Hugging Face ``config.json`` (and the
-tokenizer files the run carries), loadable by ``transformers`` unchanged.
+``model.safetensors`` with the Hugging Face ``config.json`` and the run's
+tokenizer as Hugging Face files, loadable by ``transformers`` unchanged.
 Anything wrong (an unsupported architecture, a missing, extra or
 misshapen tensor, an output that exists) is one line and exit code 2,
 with nothing left at the output.
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from mopd_jax import checkpointing, cli, parallel, runs, training
+from mopd_jax import checkpointing, cli, runs, training
 from mopd_jax.errors import CheckpointError, UserError, reason
 from mopd_jax.models import hf
 from mopd_jax.models import tokenizer as tokenizer_lib
@@ -194,10 +194,7 @@ def export_run(run_dir: str, out: str) -> None:
   """Write the final parameters of the run in ``run_dir`` as a Hugging Face
   checkpoint at ``out``."""
   from safetensors.flax import save_file
-  run_config = runs.load_run_config(run_dir)
-  cfg = ModelConfig(**run_config.model.to_dict())
-  params = runs.load_params(run_dir, cfg, parallel.make_mesh(
-      data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]))
+  cfg, params = runs.final_model(run_dir)
   with _output_dir(out) as tmp:
     tensors = {k: jnp.asarray(v)
                for k, v in hf.to_hf(jax.device_get(params), cfg).items()}
@@ -205,7 +202,7 @@ def export_run(run_dir: str, out: str) -> None:
               metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
       json.dump(hf.hf_config(cfg), f, indent=2)
-    tokenizer_lib.copy_files(tokenizer_lib.of_run(run_dir), tmp)
+    tokenizer_lib.export_files(tokenizer_lib.of_run(run_dir), tmp)
 
 
 def define_flags() -> None:

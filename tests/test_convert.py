@@ -19,6 +19,7 @@ from conftest import ROOT  # noqa: E402
 from mopd_jax import convert, parallel, runs  # noqa: E402
 from mopd_jax.errors import CheckpointError  # noqa: E402
 from mopd_jax.models import decoder  # noqa: E402
+from mopd_jax.models.tokenizer import CharTokenizer  # noqa: E402
 from mopd_jax.models.config import ModelConfig  # noqa: E402
 
 FAMILIES = {
@@ -37,18 +38,6 @@ FAMILIES = {
 }
 
 
-def save_char_tokenizer(directory):
-  """A one-token-per-character Hugging Face tokenizer of 40 ids."""
-  from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-  chars = "0123456789abcdefghijklmnopqrstuvwxyz+"
-  vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", *chars])}
-  tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-  tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-  tok.save(os.path.join(directory, "tokenizer.json"))
-  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump({"bos_token": "<bos>", "eos_token": "<eos>"}, f)
-
-
 def _saved(tmp_path, family, shard=False):
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(
@@ -58,7 +47,8 @@ def _saved(tmp_path, family, shard=False):
       p.add_(0.05 * torch.randn_like(p))
   path = tmp_path / f"hf_{family}"
   model.save_pretrained(path, max_shard_size="20KB" if shard else "5GB")
-  save_char_tokenizer(path)
+  # A one-token-per-character Hugging Face tokenizer of 40 ids.
+  CharTokenizer("0123456789abcdefghijklmnopqrstuvwxyz+").save_hf(str(path))
   return model, str(path)
 
 

@@ -84,6 +84,25 @@ class CharTokenizer:
         out.append(self.alphabet[i - len(SPECIALS)])
     return "".join(out)
 
+  def save_hf(self, directory: str) -> None:
+    """This tokenizer as Hugging Face files (``tokenizer.json``: one
+    word-level token per character, the same ids; ``tokenizer_config.json``:
+    PAD, BOS, EOS), so that an exported model reads text in transformers."""
+    from tokenizers import Regex, Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    vocab.update(self._ids)
+    backend = Backend(models.WordLevel(vocab, unk_token=SPECIALS[0]))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."),
+                                                 behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    os.makedirs(directory, exist_ok=True)
+    backend.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w",
+              encoding="utf-8") as f:
+      json.dump(dict(zip(("pad_token", "bos_token", "eos_token"), SPECIALS)),
+                f)
+
   def fingerprint(self) -> str:
     return "char:" + hashlib.sha256(
         ("\x00".join(SPECIALS) + "\x00" + self.alphabet).encode()).hexdigest()[:16]
@@ -184,6 +203,15 @@ def of_run(run_dir: str | None):
 def for_config(config):
   """The tokenizer a run of ``config`` uses: its ``init`` run's."""
   return of_run(config.get("init", ""))
+
+
+def export_files(tokenizer, directory: str) -> None:
+  """The tokenizer's Hugging Face files into an exported checkpoint: a
+  Hugging Face tokenizer's own, the character tokenizer's ``save_hf``."""
+  if isinstance(tokenizer, CharTokenizer):
+    tokenizer.save_hf(directory)
+  else:
+    copy_files(tokenizer, directory)
 
 
 def copy_files(tokenizer, workdir: str) -> None:

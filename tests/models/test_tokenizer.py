@@ -25,3 +25,17 @@ def test_unknown_character_is_a_data_error():
 def test_fingerprint_identifies_vocabulary():
   assert CharTokenizer().fingerprint() == CharTokenizer().fingerprint()
   assert CharTokenizer("ab").fingerprint() != CharTokenizer("ba").fingerprint()
+
+
+def test_character_tokenizer_as_hugging_face_files_keeps_every_id(tmp_path):
+  pytest.importorskip("tokenizers")
+  from mopd_jax.models.tokenizer import HFTokenizer
+  char = CharTokenizer()
+  char.save_hf(str(tmp_path))
+  hf = HFTokenizer(str(tmp_path))
+  text = "12+30=42 sort qbfa: #49"
+  assert hf.encode(text) == char.encode(text)
+  assert hf.prompt_ids(text) == char.prompt_ids(text)
+  assert hf.decode(char.encode(text) + [char.eos_id, 5]) == text
+  assert (hf.vocab_size, hf.pad_id, hf.bos_id, hf.eos_id) == (
+      char.vocab_size, char.pad_id, char.bos_id, char.eos_id)
