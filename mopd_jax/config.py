@@ -35,7 +35,10 @@ def _domain(name) -> bool:
                                   and is_file_domain(name))
 
 
-_DOMAINS = ", ".join(ALL_DOMAINS) + " or <kind>:<path> (data/files.py)"
+_DOMAIN_NAMES = ", ".join(ALL_DOMAINS) + " or <kind>:<path> (data/files.py)"
+# The check of a tuple of domains (data.domains, eval.domains).
+_DOMAIN_TUPLE = (lambda v: len(v) > 0 and all(map(_domain, v)),
+                 "a non-empty tuple of " + _DOMAIN_NAMES)
 
 # (dotted field, predicate, what it must be): each section's checks sit
 # below the builder of its defaults; ``validate`` applies every one whose
@@ -114,8 +117,7 @@ _COMMON_CHECKS: Checks = (
     ("model.param_dtype", lambda v: v in ("float32", "bfloat16"),
      "float32 or bfloat16"),
     ("init", lambda v: bool(v), "the workdir of the run to start from"),
-    ("data.domains", lambda v: len(v) > 0 and all(map(_domain, v)),
-     "a non-empty tuple of " + _DOMAINS),
+    ("data.domains", *_DOMAIN_TUPLE),
     ("data.weights", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
     ("data.train_examples", _positive, "> 0"),
@@ -242,8 +244,7 @@ def _on_policy(method: str) -> ml_collections.ConfigDict:
 
 
 _ON_POLICY_CHECKS: Checks = (
-    ("eval.domains", lambda v: len(v) > 0 and all(map(_domain, v)),
-     "a non-empty tuple of " + _DOMAINS),
+    ("eval.domains", *_DOMAIN_TUPLE),
     ("rl.group_size", lambda v: v >= 2, ">= 2"),
     ("rl.prompts_per_step", _positive, "> 0"),
     ("rl.epochs", _positive, "> 0"),
@@ -280,7 +281,7 @@ def _grpo() -> ml_collections.ConfigDict:
 
 
 _GRPO_CHECKS: Checks = (
-    ("domain", _domain, "one of " + _DOMAINS),
+    ("domain", _domain, "one of " + _DOMAIN_NAMES),
     ("stop.gain", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
     ("stop.num_prompts", _positive, "> 0"),
 )

@@ -77,6 +77,32 @@ class Domain(abc.ABC):
   def verify(self, completion: str, answer: str) -> float:
     """Reward of a decoded ``completion`` against the stored ``answer``."""
 
+  def draw(self, split: str, n: int, seed: int) -> list[Example]:
+    """``n`` examples of ``split`` (``generate``'s contract): drawn from
+    ``generate(rng)`` and kept when their prompt hashes to ``split``."""
+    # The domain enters through its name's crc32, not its position in DOMAINS,
+    # so that adding a domain never changes another domain's data.
+    rng = np.random.default_rng(
+        [seed, zlib.crc32(self.name.encode("utf-8")), SPLITS.index(split)])
+    examples, seen = [], set()
+    max_draws = _MIN_DRAWS + _DRAWS_PER_EXAMPLE * n
+    draws = 0
+    while len(examples) < n:
+      if draws == max_draws:
+        raise DataError(
+            f"could not draw {n} {split} examples of domain {self.name!r} in"
+            f" {max_draws} draws (got {len(examples)}); ask for fewer")
+      draws += 1
+      example = self.generate(rng)
+      if split_of(example.prompt) != split:
+        continue
+      if split in HELD_OUT_SPLITS:
+        if example.prompt in seen:
+          continue
+        seen.add(example.prompt)
+      examples.append(example)
+    return examples
+
 
 def _parse_int(text: str) -> int | None:
   """The integer spelled by ``text`` (whitespace around allowed), or None."""
@@ -238,27 +264,4 @@ def generate(domain: str, split: str, n: int, seed: int) -> list[Example]:
     raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
   if n < 0 or seed < 0:
     raise DataError(f"need n >= 0 and seed >= 0, got n={n}, seed={seed}")
-  if hasattr(spec, "draw"):  # a file's records: drawn, not generated
-    return spec.draw(split, n, seed)
-  # The domain enters through its name's crc32, not its position in DOMAINS,
-  # so that adding a domain never changes another domain's data.
-  rng = np.random.default_rng(
-      [seed, zlib.crc32(domain.encode("utf-8")), SPLITS.index(split)])
-  examples, seen = [], set()
-  max_draws = _MIN_DRAWS + _DRAWS_PER_EXAMPLE * n
-  draws = 0
-  while len(examples) < n:
-    if draws == max_draws:
-      raise DataError(
-          f"could not draw {n} {split} examples of domain {domain!r} in"
-          f" {max_draws} draws (got {len(examples)}); ask for fewer")
-    draws += 1
-    example = spec.generate(rng)
-    if split_of(example.prompt) != split:
-      continue
-    if split in HELD_OUT_SPLITS:
-      if example.prompt in seen:
-        continue
-      seen.add(example.prompt)
-    examples.append(example)
-  return examples
+  return spec.draw(split, n, seed)

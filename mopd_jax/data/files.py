@@ -100,13 +100,23 @@ def _normal(answer: str):
     return text
 
 
-def math_reward(completion: str, answer: str) -> float:
-  """1 when the completion's final answer equals the reference's."""
-  mine, ref = final_answer(completion), final_answer(answer)
+@functools.cache
+def _math_verify():
+  """``math_verify``'s ``(parse, verify)``, or None when it is not
+  installed (looked up once: a failed import searches the path again)."""
   try:
     from math_verify import parse, verify
   except ImportError:
+    return None
+  return parse, verify
+
+
+def math_reward(completion: str, answer: str) -> float:
+  """1 when the completion's final answer equals the reference's."""
+  mine, ref = final_answer(completion), final_answer(answer)
+  if _math_verify() is None:
     return float(_normal(mine) == _normal(ref))
+  parse, verify = _math_verify()
   try:
     return float(bool(verify(parse(f"${ref}$"), parse(f"${mine}$"))))
   except Exception:  # pylint: disable=broad-except

@@ -16,6 +16,7 @@ from typing import Mapping, NamedTuple
 import jax
 import numpy as np
 
+from mopd_jax.checksum import named_leaves
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 
@@ -71,18 +72,10 @@ def _to_ours(x: np.ndarray, layout: str, shape: tuple[int, ...]
   return x.reshape(shape)
 
 
-def _leaves(tree, prefix=""):
-  for key, value in tree.items():
-    if isinstance(value, Mapping):
-      yield from _leaves(value, f"{prefix}{key}/")
-    else:
-      yield prefix + key, value
-
-
 def to_hf(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
   """``{Hugging Face name: array}`` of our (unboxed) parameters; a stacked
   leaf becomes one tensor per layer."""
-  ours = dict(_leaves(params))
+  ours = dict(named_leaves(params))
   out = {}
   for t in TENSORS:
     if t.path not in ours:
@@ -98,7 +91,7 @@ def to_hf(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 def names(cfg: ModelConfig) -> list[str]:
   """The Hugging Face names of every tensor of a model of ``cfg``."""
-  ours = dict(_leaves(jax.eval_shape(
+  ours = dict(named_leaves(jax.eval_shape(
       lambda: decoder.init_params(cfg, jax.random.key(0)))))
   return [t.name.format(i=i) for t in TENSORS if t.path in ours
           for i in (range(cfg.num_layers) if t.path.startswith("layers/")
@@ -111,7 +104,7 @@ def from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig):
   ``ValueError`` naming one of the wrong shape."""
   shapes = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0)))
   params: dict = {}
-  for path, shape in _leaves(shapes):
+  for path, shape in named_leaves(shapes):
     t = next(t for t in TENSORS if t.path == path)
     if path.startswith("layers/"):
       value = np.stack([_take(tensors, t.name.format(i=i), t.layout,
