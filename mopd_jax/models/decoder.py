@@ -180,64 +180,168 @@ def _ungrouped(out, T):
       B, T, K * (R // T), d)
 
 
-def attend(q, k, v, span: Span, chunk: int = 0):
+def attend(q, k, v, span: Span, chunk: int = 0, filled=None):
   """``softmax(q k^T / sqrt(d) + mask) v`` (``attention_mask`` of ``span``):
   with ``chunk`` 0 over all keys at once (``_attend``), else over blocks of
   ``chunk`` keys with an online softmax that never holds more than one
-  block's scores (``_attend_chunked``; recomputed in the backward pass)."""
+  block's scores and whose backward pass keeps memory linear in the
+  length (``_attend_chunked``).
+  ``filled`` (decoding from a cache, no gradient): the number of slots
+  written so far; blocked attention then reads only the blocks that hold
+  them (``_attend_filled``), not the empty rest of the cache."""
   if chunk <= 0 or k.shape[2] <= chunk:
     return _attend(q, k, v, attention_mask(*span))
+  if filled is not None:
+    return _attend_filled(q, k, v, span, chunk, filled)
   return _attend_chunked(q, k, v, span, chunk)
 
 
-def _attend_chunked(q, k, v, span: Span, chunk: int):
-  """Blocked attention: for key blocks ``j``, with ``s_j = q k_j^T /
-  sqrt(d)`` (masked to -1e30), a running max ``m``, denominator ``l`` and
-  output ``o``::
+def _online_block(carry, qg, kj, vj, mask):
+  """One key block of the online softmax. With ``s_j = q k_j^T / sqrt(d)``
+  (masked to -1e30), the running max ``m``, denominator ``l`` and output
+  ``o``::
 
       m' = max(m, max s_j),  c = exp(m - m'),
       l' = c l + sum exp(s_j - m'),  o' = c o + exp(s_j - m') v_j
 
-  and ``o / l`` at the end: the same softmax, ``[T, chunk]`` scores at a
-  time instead of ``[T, S]``. Keys are padded to a multiple of ``chunk``
-  (segment 0: never attended)."""
-  B, T, H, d = q.shape
-  K, S = k.shape[1], k.shape[2]
+  ``qg``: grouped queries [B, K, G*T, d]; ``kj``, ``vj``: [B, K, c, d];
+  ``mask``: [B, T, c]."""
+  m, l, o = carry
+  s = _block_scores(qg, kj, mask)
+  m_new = jnp.maximum(m, s.max(-1))
+  scale = jnp.exp(m - m_new)
+  p = jnp.exp(s - m_new[..., None])
+  o = scale[..., None] * o + jnp.einsum(
+      "bkrs,bksd->bkrd", p.astype(vj.dtype), vj).astype(jnp.float32)
+  return m_new, scale * l + p.sum(-1), o
+
+
+def _online_init(qg):
+  B, K, R, d = qg.shape
+  return (jnp.full((B, K, R), -jnp.inf, jnp.float32),
+          jnp.zeros((B, K, R), jnp.float32),
+          jnp.zeros((B, K, R, d), jnp.float32))
+
+
+def _online_result(carry, v, T):
+  _, l, o = carry
+  return _ungrouped((o / l[..., None]).astype(v.dtype), T)
+
+
+def _key_blocks(k, v, span: Span, chunk: int):
+  """Keys, values and their segment ids and slots as ``ceil(S / chunk)``
+  blocks along a leading axis, padded with segment 0 (never attended)."""
+  B, K, S, d = k.shape
   n = -(-S // chunk)
   pad = n * chunk - S
-  kv_seg = jnp.pad(span.kv_segments, ((0, 0), (0, pad)))
-  kv_slot = jnp.pad(span.kv_slots, (0, pad))
-  blocks = (
-      jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
-          B, K, n, chunk, d).transpose(2, 0, 1, 3, 4),
-      jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
-          B, K, n, chunk, d).transpose(2, 0, 1, 3, 4),
-      kv_seg.reshape(B, n, chunk).transpose(1, 0, 2),
-      kv_slot.reshape(n, chunk))
+
+  def split(x):
+    return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
+        B, K, n, chunk, d).transpose(2, 0, 1, 3, 4)
+
+  return (split(k), split(v),
+          jnp.pad(span.kv_segments, ((0, 0), (0, pad))).reshape(
+              B, n, chunk).transpose(1, 0, 2),
+          jnp.pad(span.kv_slots, (0, pad)).reshape(n, chunk))
+
+
+def _block_scores(qg, kj, mask):
+  """``s_j = q k_j^T / sqrt(d)``, masked to -1e30: [B, K, G*T, c]."""
+  B, K, R, d = qg.shape
+  T, c = mask.shape[1:]
+  s = jnp.einsum("bkrd,bksd->bkrs", qg, kj,
+                 preferred_element_type=jnp.float32) * d ** -0.5
+  return jnp.where(mask[:, None, None], s.reshape(B, K, R // T, T, c),
+                   -1e30).reshape(B, K, R, c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend_chunked(q, k, v, span: Span, chunk: int):
+  """Blocked attention: ``_online_block`` over every block of ``chunk``
+  keys and ``o / l`` at the end, the same softmax with ``[T, chunk]``
+  scores at a time instead of ``[T, S]``. Its backward pass (flash
+  attention's) keeps only ``o``, ``m`` and ``l``, linear in ``T``, and
+  recomputes each block's probabilities from them."""
+  return _chunked_forward(q, k, v, span, chunk)[0]
+
+
+def _chunked_forward(q, k, v, span: Span, chunk: int):
+  T, K = q.shape[1], k.shape[1]
   qg = _grouped(q, K)
-  G = H // K
 
-  @functools.partial(jax.checkpoint, prevent_cse=False)
   def step(carry, block):
-    m, l, o = carry
     kj, vj, seg_j, slot_j = block
-    s = jnp.einsum("bkrd,bksd->bkrs", qg, kj,
-                   preferred_element_type=jnp.float32) * d ** -0.5
     mask = attention_mask(span.q_segments, span.q_slots, seg_j, slot_j)
-    s = jnp.where(mask[:, None, None], s.reshape(B, K, G, T, chunk),
-                  -1e30).reshape(B, K, G * T, chunk)
-    m_new = jnp.maximum(m, s.max(-1))
-    c = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[..., None])
-    o = c[..., None] * o + jnp.einsum("bkrs,bksd->bkrd", p.astype(vj.dtype),
-                                      vj).astype(jnp.float32)
-    return (m_new, c * l + p.sum(-1), o), None
+    return _online_block(carry, qg, kj, vj, mask), None
 
-  init = (jnp.full((B, K, G * T), -jnp.inf, jnp.float32),
-          jnp.zeros((B, K, G * T), jnp.float32),
-          jnp.zeros((B, K, G * T, d), jnp.float32))
-  (_, l, o), _ = jax.lax.scan(step, init, blocks)
-  return _ungrouped((o / l[..., None]).astype(v.dtype), T)
+  (m, l, o), _ = jax.lax.scan(step, _online_init(qg),
+                              _key_blocks(k, v, span, chunk))
+  out = o / l[..., None]
+  return _ungrouped(out.astype(v.dtype), T), (q, k, v, span, out, m, l)
+
+
+def _chunked_backward(chunk, saved, grad):
+  """With ``P = exp(s - m) / l`` recomputed block by block, ``dO`` the
+  output's cotangent and ``D = rowsum(dO * O)``::
+
+      dV_j = P_j^T dO,  dS_j = P_j * (dO V_j^T - D)  (0 where masked),
+      dQ = sum_j dS_j K_j / sqrt(d),  dK_j = dS_j^T Q / sqrt(d)."""
+  q, k, v, span, out, m, l = saved
+  T, K, S, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
+  qg = _grouped(q, K).astype(jnp.float32)
+  dout = _grouped(grad, K).astype(jnp.float32)
+  rowsum = jnp.sum(dout * out, axis=-1)
+
+  def step(dq, block):
+    kj, vj, seg_j, slot_j = block
+    mask = attention_mask(span.q_segments, span.q_slots, seg_j, slot_j)
+    p = jnp.exp(_block_scores(qg, kj, mask) - m[..., None]) / l[..., None]
+    dv = jnp.einsum("bkrs,bkrd->bksd", p, dout)
+    dp = jnp.einsum("bkrd,bksd->bkrs", dout, vj.astype(jnp.float32))
+    ds = p * (dp - rowsum[..., None])
+    B, _, R, c = ds.shape
+    ds = jnp.where(mask[:, None, None], ds.reshape(B, K, R // T, T, c),
+                   0.0).reshape(B, K, R, c) * d ** -0.5
+    return (dq + jnp.einsum("bkrs,bksd->bkrd", ds, kj.astype(jnp.float32)),
+            (jnp.einsum("bkrs,bkrd->bksd", ds, qg), dv))
+
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(qg),
+                              _key_blocks(k, v, span, chunk))
+
+  def unblock(x):
+    n, B, _, c, _ = x.shape
+    return x.transpose(1, 2, 0, 3, 4).reshape(B, K, n * c, d)[:, :, :S]
+
+  return (_ungrouped(dq, T).astype(q.dtype), unblock(dk).astype(k.dtype),
+          unblock(dv).astype(v.dtype), None)
+
+
+_attend_chunked.defvjp(
+    lambda q, k, v, span, chunk: _chunked_forward(q, k, v, span, chunk),
+    _chunked_backward)
+
+
+def _attend_filled(q, k, v, span: Span, chunk: int, filled):
+  """Blocked attention over the first ``ceil(filled / chunk)`` blocks of a
+  cache of ``S >= chunk`` slots only (a loop whose length is traced, so
+  forward only). The last block may start before ``j * chunk`` to stay
+  inside the cache; its slots already seen are masked (segment 0)."""
+  T, K, S = q.shape[1], k.shape[1], k.shape[2]
+  qg = _grouped(q, K)
+
+  def body(j, carry):
+    start = jnp.minimum(j * chunk, S - chunk)
+    slots = start + jnp.arange(chunk)
+    seg = jax.lax.dynamic_slice_in_dim(span.kv_segments, start, chunk, 1)
+    seg = jnp.where(slots >= j * chunk, seg, 0)
+    mask = attention_mask(span.q_segments, span.q_slots, seg, slots)
+    return _online_block(
+        carry, qg, jax.lax.dynamic_slice_in_dim(k, start, chunk, 2),
+        jax.lax.dynamic_slice_in_dim(v, start, chunk, 2), mask)
+
+  carry = jax.lax.fori_loop(0, (filled + chunk - 1) // chunk, body,
+                            _online_init(qg))
+  return _online_result(carry, v, T)
 
 
 def _attend(q, k, v, mask):
@@ -295,7 +399,8 @@ def _layer(cfg: ModelConfig, x, p, positions, span, kv_cache, index):
     kv_cache = (k_cache, v_cache)
   else:
     k_all, v_all = k, v
-  attn = attend(q, k_all, v_all, span, cfg.attention_chunk)
+  attn = attend(q, k_all, v_all, span, cfg.attention_chunk,
+               None if index is None else index + q.shape[1])
   x = x + jnp.einsum("bthk,hkd->btd", attn, p["o"].astype(dt))
   x = parallel.constrain(x, ("batch", "length", "embed"))
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)

@@ -246,3 +246,33 @@ def test_chunked_model_and_decode_match_dense():
                                cache)
     steps.append(out)
   np.testing.assert_allclose(jnp.concatenate(steps, 1), dense, atol=1e-5)
+
+
+@pytest.mark.parametrize("filled", [3, 10, 21])
+def test_decode_attention_reads_only_the_filled_blocks(filled):
+  """From a cache, blocked attention stops after the block holding slot
+  ``filled - 1``: NaN in every later block leaves the output finite and
+  equal to dense attention over the filled slots alone (21 of 22 slots:
+  the last block is moved back inside the cache, its slots seen before
+  not counted twice)."""
+  rng = np.random.default_rng(1)
+  B, T, H, K, d, S, chunk = 2, 1, 4, 2, 8, 22, 4
+  q = jnp.asarray(rng.normal(size=(B, T, H, d)), jnp.float32)
+  k = rng.normal(size=(B, K, S, d)).astype(np.float32)
+  v = rng.normal(size=(B, K, S, d)).astype(np.float32)
+  read = min(-(-filled // chunk) * chunk, S)
+  k[:, :, read:] = np.nan
+  v[:, :, read:] = np.nan
+  segments = np.zeros((B, S), np.int32)
+  segments[:, :filled] = 1
+  segments[1, :2] = 0  # left padding
+  span = decoder.Span(jnp.ones((B, T), jnp.int32),
+                      jnp.full((B, T), filled - 1), jnp.asarray(segments),
+                      jnp.arange(S))
+  out = decoder.attend(q, jnp.asarray(k), jnp.asarray(v), span, chunk,
+                       jnp.int32(filled))
+  trimmed = span._replace(kv_segments=span.kv_segments[:, :filled],
+                          kv_slots=span.kv_slots[:filled])
+  dense = decoder.attend(q, jnp.asarray(k[:, :, :filled]),
+                         jnp.asarray(v[:, :, :filled]), trimmed, 0)
+  np.testing.assert_allclose(out, dense, atol=1e-5)
