@@ -55,7 +55,7 @@ class ModelConfig:
 
 # Fields that change how a model is computed, not what: runs that differ in
 # them share parameters, resume each other and combine entry by entry.
-EXECUTION_FIELDS = ("remat", "attention_chunk")
+EXECUTION_FIELDS = ("remat", "attention_chunk", "dtype")
 
 PRESETS = {
     "tiny": ModelConfig(),
