@@ -21,21 +21,33 @@ dimension leaves it replicated):
   token: ``4 D`` (residual in/mid and both norm outputs) ``+ 2 H d_h``
   (queries, attention output) ``+ 2 K d_h`` (keys, values) ``+ 3 F``
   (gate, up, SwiGLU) elements of ``dtype``, plus ``2 H T`` float32 scores
-  and probabilities (the decoder materialises attention); times ``L``. With
-  ``--remat`` (per-layer rematerialisation, ``model.remat``): ``L D`` per
-  token plus one layer's full set. The vocabulary ops
-  never hold ``[tokens, V]`` logits and are left out.
+  and probabilities (dense attention); times ``L``. With ``--chunk c``
+  (blocked attention, ``model.attention_chunk``) the scores are replaced
+  by what its backward pass keeps, ``H (d_h + 2)`` float32 per token (the
+  output, the running max and denominator), linear in ``T``, plus one
+  block's ``3 H T c`` float32 (probabilities and their gradients) at a
+  time. With ``--remat`` (per-layer rematerialisation, ``model.remat``):
+  ``L D`` per token plus one layer's full set. The vocabulary ops never
+  hold ``[tokens, V]`` logits and are left out.
+
+``--mfu`` and ``--peak_tflops`` turn a table row into the train step's
+predicted throughput: ``tokens/s per device = mfu * peak / flops per
+token`` with ``8 N`` FLOPs a token (forward, backward and, with
+``--remat``, the recomputed forward; ``6 N`` without), plus attention's
+``12 L H d_h T`` (``16`` with remat).
 
 ``--check`` compiles the tiny model's train step and the sampler's cache
 allocation on a (2,2,2) mesh of 8 fake CPU devices and prints these
 estimates next to XLA's ``compiled.memory_analysis()`` (arguments = params +
 adam + batch, temps = grads + activations, output = KV cache) with their
-ratios.
+ratios, and the train step's temps at 1,024 and 2,048 tokens with dense
+and with blocked attention (quadratic against linear in ``T``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -55,12 +67,13 @@ MODELS = ("tiny", "qwen7b")
 def model_config(name: str):
   if name == "tiny":
     return PRESETS["tiny"]
-  # Qwen2.5-7B-class: q/k/v biases, untied output layer, bfloat16.
+  # Qwen2.5-7B-class: q/k/v biases, untied output layer; bfloat16
+  # matmuls with float32 master weights (the teachers: bfloat16).
   return ModelConfig(vocab_size=152064, embed_dim=3584, num_layers=28,
                      num_heads=28, num_kv_heads=4, head_dim=128,
                      mlp_dim=18944, rope_theta=1e6, tie_embeddings=False,
                      attention_bias=True, dtype="bfloat16",
-                     param_dtype="bfloat16")
+                     param_dtype="float32")
 
 
 def _bytes(axis_sizes, names, shape, itemsize) -> float:
@@ -73,7 +86,8 @@ def _bytes(axis_sizes, names, shape, itemsize) -> float:
 
 
 def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
-         train_batch: int, length: int, remat: bool) -> dict:
+         train_batch: int, length: int, remat: bool, chunk: int = 0,
+         teacher_bytes: int = 2) -> dict:
   """``{component: bytes per device}`` (see the module docstring)."""
   shapes = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0)))
   names = decoder.logical_axes(cfg)
@@ -89,19 +103,32 @@ def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
                        cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim)
   B, T = train_batch, length
   bt, bth = ("batch", "length"), ("batch", "length", "heads", "head_dim")
+  heads = ("batch", "heads", None, None)
+  if chunk:
+    scores = _bytes(axis_sizes, heads, (B, H, T, Dh + 2), 4)
+    block = 3 * _bytes(axis_sizes, heads, (B, H, T, min(chunk, T)), 4)
+  else:
+    scores, block = 2 * _bytes(axis_sizes, heads, (B, H, T, T), 4), 0
   one_layer = (
       4 * _bytes(axis_sizes, bt + ("embed",), (B, T, D), a_size)
       + 2 * _bytes(axis_sizes, bth, (B, T, H, Dh), a_size)
       + 2 * _bytes(axis_sizes, decoder.KV_AXES, (B, K, T, Dh), a_size)
-      + 3 * _bytes(axis_sizes, bt + ("mlp",), (B, T, F), a_size)
-      + 2 * _bytes(axis_sizes, ("batch", "heads", None, None), (B, H, T, T),
-                   4))
+      + 3 * _bytes(axis_sizes, bt + ("mlp",), (B, T, F), a_size) + scores)
   residual = _bytes(axis_sizes, bt + ("embed",), (B, T, D), a_size)
   kv = 2 * _bytes(axis_sizes, ("layers",) + decoder.KV_AXES,
                   (L, rollout_batch, K, length, Dh), a_size)
+  act = L * residual + one_layer if remat else L * one_layer
   return dict(params=params(p_size), adam=params(8), grads=params(p_size),
-              teachers=teachers * params(p_size), kv=kv,
-              act=L * residual + one_layer if remat else L * one_layer)
+              teachers=teachers * params(teacher_bytes), kv=kv,
+              act=act + block)
+
+
+def train_flops_per_token(cfg, length: int, remat: bool) -> float:
+  """``6 N + 12 L H d_h T`` (``8 N + 16 L H d_h T`` with remat: the
+  forward pass runs twice)."""
+  passes = 4 if remat else 3
+  return passes * (2 * cfg.num_params() + 4 * cfg.num_layers
+                   * cfg.num_heads * cfg.head_dim * length)
 
 
 def _parse_mesh(text: str) -> dict:
@@ -122,31 +149,36 @@ def print_table(args) -> None:
         f" {args.teachers} teachers, rollout {args.rollout_batch} x"
         f" {args.length}, train minibatch {args.train_batch} x"
         f" {args.length}, rules {args.rules}"
-        f"{', remat' if args.remat else ''}; GiB per device")
+        f"{', remat' if args.remat else ''}"
+        f"{f', attention blocks of {args.chunk}' if args.chunk else ''};"
+        " GiB per device")
+  speed = args.mfu > 0
+  flops = train_flops_per_token(cfg, args.length, args.remat)
+  if speed:
+    print(f"train tokens/s at {args.mfu:.0%} MFU of {args.peak_tflops:g}"
+          f" TFLOP/s a device, {flops / 1e9:.1f} GFLOP a token")
   print("| mesh (data,fsdp,tensor) | " + " | ".join(columns)
-        + " | total | of HBM |")
-  print("|---" * (len(columns) + 3) + "|")
+        + " | total | of HBM |" + (" train tokens/s |" if speed else ""))
+  print("|---" * (len(columns) + 3 + speed) + "|")
   with parallel.use_rules(args.rules):
     for text in args.mesh:
       sizes = _parse_mesh(text)
       row = plan(cfg, sizes, args.teachers, args.rollout_batch,
-                 args.train_batch, args.length, args.remat)
+                 args.train_batch, args.length, args.remat, args.chunk)
       total = sum(row.values())
+      tokens = (math.prod(sizes.values()) * args.mfu * args.peak_tflops
+                * 1e12 / flops)
+      rate = f" {tokens:,.0f} |" if speed else ""
       print(f"| {text} | " + " | ".join(_gib(row[c]) for c in columns)
-            + f" | {_gib(total)} | {total / (args.hbm_gib * 2**30):.0%} |")
+            + f" | {_gib(total)} | {total / (args.hbm_gib * 2**30):.0%} |"
+            + rate)
 
 
-def check() -> list[tuple[str, float, float]]:
-  """``(quantity, estimate, XLA)`` for the tiny model on a (2,2,2) mesh of
-  8 fake CPU devices (the process must have been started with them)."""
-  cfg = model_config("tiny")
-  mesh = parallel.make_mesh(2, 2, 2)
-  batch, length = 16, 64
-  est = plan(cfg, dict(mesh.shape), 0, batch, batch, length, remat=False)
+def _compiled_train(cfg, mesh, batch: int, length: int):
+  """XLA's memory analysis of the train step, compiled only, and the
+  bytes of its token batch."""
   optimizer = optax.adamw(1e-3)
-
   step = make_train_step(cfg, optimizer)
-
   tokens = np.ones((batch, length), np.int32)
   with parallel.activate(mesh):
     params = jax.device_put(
@@ -156,20 +188,45 @@ def check() -> list[tuple[str, float, float]]:
     state = training.init_state(params, optimizer)
     data = parallel.shard_batch(mesh, dict(tokens=tokens, segment_ids=tokens,
                                            loss_mask=tokens))
-    train = jax.jit(step).lower(state, data).compile().memory_analysis()
+    return (jax.jit(step).lower(state, data).compile().memory_analysis(),
+            tokens.nbytes)
+
+
+# --check: the lengths and key block of the dense-against-blocked rows.
+LONG, BLOCK = (1024, 2048), 256
+
+
+def check() -> list[tuple[str, float, float]]:
+  """``(quantity, estimate, XLA)`` for the tiny model on a (2,2,2) mesh of
+  8 fake CPU devices (the process must have been started with them)."""
+  cfg = model_config("tiny")
+  mesh = parallel.make_mesh(2, 2, 2)
+  batch, length = 16, 64
+  est = plan(cfg, dict(mesh.shape), 0, batch, batch, length, remat=False)
+  train, token_bytes = _compiled_train(cfg, mesh, batch, length)
+  with parallel.activate(mesh):
     cache = jax.jit(lambda: decoder.init_cache(cfg, batch, length)).lower(
         ).compile().memory_analysis()
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-  batch_bytes = 3 * tokens.nbytes / data_parallel
-  return [
+  rows = [
       ("arguments: params + adam + batch",
-       est["params"] + est["adam"] + batch_bytes,
+       est["params"] + est["adam"] + 3 * token_bytes / data_parallel,
        train.argument_size_in_bytes),
       ("temps: grads + activations", est["grads"] + est["act"],
        train.temp_size_in_bytes),
       ("KV cache (with its slot segment ids)",
-       est["kv"] + tokens.nbytes / data_parallel, cache.output_size_in_bytes),
+       est["kv"] + token_bytes / data_parallel, cache.output_size_in_bytes),
   ]
+  for chunk in (0, BLOCK):
+    blocked = dataclasses.replace(cfg, attention_chunk=chunk)
+    for length in LONG:
+      est = plan(blocked, dict(mesh.shape), 0, data_parallel, data_parallel,
+                 length, remat=False, chunk=chunk)
+      measured = _compiled_train(blocked, mesh, data_parallel, length)[0]
+      attention = f"blocked ({chunk} keys)" if chunk else "dense"
+      rows.append((f"temps at T={length}, {attention} attention",
+                   est["grads"] + est["act"], measured.temp_size_in_bytes))
+  return rows
 
 
 def main(argv=None) -> None:
@@ -184,6 +241,12 @@ def main(argv=None) -> None:
   parser.add_argument("--length", type=int, default=2048)
   parser.add_argument("--hbm_gib", type=float, default=16.0)
   parser.add_argument("--remat", action="store_true")
+  parser.add_argument("--chunk", type=int, default=0,
+                      help="blocked attention over keys (0: dense)")
+  parser.add_argument("--mfu", type=float, default=0.0,
+                      help="predict train tokens/s at this MFU (0: off)")
+  parser.add_argument("--peak_tflops", type=float, default=989.0,
+                      help="a device's peak (H100 bfloat16 dense: 989)")
   parser.add_argument("--check", action="store_true",
                       help="tiny model against XLA on 8 fake CPU devices")
   args = parser.parse_args(argv)
