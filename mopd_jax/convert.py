@@ -11,8 +11,9 @@ have), a checkpoint of step 0 and ``summary.json`` with the parameters'
 sha256; the tokenizer files are copied along, so the run trains,
 evaluates and distils with that tokenizer. Each
 tensor is read from disk when its leaf is built (``models.hf.from_hf``
-walks ``TENSORS`` leaf by leaf), so at most one stacked leaf is held
-beside the result. ``export`` writes the run's parameters back as one
+walks ``TENSORS`` leaf by leaf) and the leaf goes at once into its FSDP
+shards over every local device, so the host holds one stacked leaf at a
+time, never the model. ``export`` writes the run's parameters back as one
 ``model.safetensors`` with the Hugging Face ``config.json`` and the run's
 tokenizer as Hugging Face files, loadable by ``transformers`` unchanged.
 Anything wrong (an unsupported architecture, a missing, extra or
@@ -35,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from mopd_jax import checkpointing, cli, runs, training
+from mopd_jax import checkpointing, cli, parallel, runs, training
+from mopd_jax.checksum import named_leaves
 from mopd_jax.errors import CheckpointError, UserError, reason
 from mopd_jax.models import hf
 from mopd_jax.models import tokenizer as tokenizer_lib
@@ -170,14 +172,17 @@ def import_hf(hf_dir: str, out: str) -> dict:
       raise CheckpointError(f"{hf_dir}: tensor {extra[0]} is not part of a"
                             f" {len(expected)}-tensor {cfg.num_layers}-layer"
                             " model of this config")
+    # Each leaf goes straight into its FSDP shard over every local device.
+    mesh = parallel.make_mesh(data=1, fsdp=-1, tensor=1)
+    shardings = dict(named_leaves(runs.param_shardings(cfg, mesh)))
     try:
-      params = hf.from_hf(tensors, cfg)
+      params = hf.from_hf(tensors, cfg, lambda path, leaf: jax.device_put(
+          leaf, shardings[path]))
     except (KeyError, ValueError) as e:
       raise CheckpointError(f"{hf_dir}: {e.args[0]}") from None
     ckpt = checkpointing.Checkpointer(tmp, every=1, keep=1)
     try:
-      ckpt.save(0, {"params": jax.tree.map(jnp.asarray, params)},
-                force=True)
+      ckpt.save(0, {"params": params}, force=True)
     finally:
       ckpt.close()
     tokenizer_lib.copy_files(tokenizer, tmp)

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 from conftest import ROOT  # noqa: E402
 from mopd_jax import convert, parallel, runs  # noqa: E402
 from mopd_jax.errors import CheckpointError  # noqa: E402
-from mopd_jax.models import decoder  # noqa: E402
+from mopd_jax.checksum import named_leaves  # noqa: E402
+from mopd_jax.models import decoder, hf  # noqa: E402
 from mopd_jax.models.tokenizer import CharTokenizer  # noqa: E402
 from mopd_jax.models.config import ModelConfig  # noqa: E402
 
@@ -89,6 +90,36 @@ def test_import_then_export_matches_transformers(tmp_path, family, shard):
   with torch.no_grad():
     np.testing.assert_array_equal(
         again(torch.from_numpy(TOKENS)).logits.numpy(), theirs)
+
+
+def test_import_places_each_leaf_in_its_shards_as_it_is_built(
+    tmp_path, monkeypatch):
+  """Import hands every leaf, as soon as ``from_hf`` builds it from host
+  arrays, to the FSDP shards over all 8 devices (the host never holds the
+  model), and the run loads back with the checkpoint's values."""
+  _, path = _saved(tmp_path, "llama")
+  placed = []
+  real = hf.from_hf
+
+  def spying(tensors, cfg, place):
+    def recorded(name, leaf):
+      assert isinstance(leaf, np.ndarray)
+      out = place(name, leaf)
+      placed.append((name, len(out.sharding.device_set),
+                     out.addressable_shards[0].data.shape, leaf.shape))
+      return out
+    return real(tensors, cfg, recorded)
+
+  monkeypatch.setattr(hf, "from_hf", spying)
+  convert.import_hf(path, str(tmp_path / "run"))
+  cfg = ModelConfig(**runs.load_run_config(str(tmp_path / "run")
+                                           ).model.to_dict())
+  assert sorted(n for n, *_ in placed) == sorted(
+      n for n, _ in named_leaves(runs.param_shapes(cfg)))
+  assert all(devices == 8 for _, devices, _, _ in placed)
+  # layers/q [2, 40, 4, 12]: its embed axis split over the 8-way fsdp axis.
+  q = next(p for p in placed if p[0] == "layers/q")
+  assert q[2] == (2, 5, 4, 12) and q[3] == (2, 40, 4, 12)
 
 
 def test_cli_round_trip_and_one_line_errors(tmp_path):

@@ -11,7 +11,7 @@ half-split layout on both sides, so no q/k permutation is needed.
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -98,10 +98,14 @@ def names(cfg: ModelConfig) -> list[str]:
                     else (0,))]
 
 
-def from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig):
+def from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig,
+            place: Callable[[str, np.ndarray], Any] | None = None):
   """Our (unboxed) parameters from ``{Hugging Face name: array}``: the
-  inverse of ``to_hf``. Raises ``KeyError`` naming a missing tensor and
-  ``ValueError`` naming one of the wrong shape."""
+  inverse of ``to_hf``. ``place(path, leaf)`` (e.g. ``jax.device_put``
+  into the leaf's sharding) is applied to each leaf as soon as it is
+  built, so the host holds one leaf at a time, not the model. Raises
+  ``KeyError`` naming a missing tensor and ``ValueError`` naming one of the
+  wrong shape."""
   shapes = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0)))
   params: dict = {}
   for path, shape in named_leaves(shapes):
@@ -116,7 +120,8 @@ def from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig):
     *parents, leaf = path.split("/")
     for p in parents:
       node = node.setdefault(p, {})
-    node[leaf] = value.astype(shape.dtype)
+    value = value.astype(shape.dtype)
+    node[leaf] = place(path, value) if place else value
   return params
 
 
