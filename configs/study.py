@@ -4,11 +4,17 @@ shared artefacts, every model evaluated, one report.
     python -m mopd_jax.train --config=configs/study.py --workdir=runs/study \
         [--config.steps='("merge","evaluate","report")'] \
         [--config.base=runs/base --config.experts='runs/expert_{domain}']
+    # on your own data, from a base run (an imported checkpoint):
+    python -m mopd_jax.train --config=configs/study.py --workdir=runs/mine \
+        --config.base=runs/qwen3 \
+        --config.domains="('math:gsm8k.jsonl','choice:mmlu.parquet')"
 
 Each step is an ordinary run under the workdir (``base``,
 ``expert_<domain>``, ``merge_<method>``, ``mix_rl``, ``mopd``,
 ``open_mopd``); a re-run skips finished steps and resumes an interrupted
-one. Writes ``results.json`` and ``report.md`` with figures. Variants:
+one. Writes ``results.json`` and ``report.md`` with figures. On file
+domains every model is evaluated on those domains alone and the experts
+live in ``expert_<kind>_<file stem>``. Variants:
 ``:smoke`` (every step's smoke config; under 2 minutes, for tests).
 """
 

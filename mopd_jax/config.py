@@ -360,6 +360,9 @@ def _study() -> ml_collections.ConfigDict:
   c.seed = 0
   c.steps = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
              "evaluate", "report")
+  # the training domains (empty: the built-in four); file domains
+  # (<kind>:<path>) need a base run given (an imported checkpoint)
+  c.domains = ()
   c.base = ""  # an existing base run to use instead of training one
   c.experts = ""  # existing expert runs: a {domain} template or pairs
   c.variant = ""  # the configs' variant every step uses (smoke: "smoke")
@@ -394,6 +397,8 @@ def _study() -> ml_collections.ConfigDict:
 
 
 _STUDY_CHECKS: Checks = (
+    ("domains", lambda v: all(map(_domain, v)),
+     "empty (the built-in four) or a tuple of " + _DOMAIN_NAMES),
     ("merge_methods", lambda v: set(v) <= set(merge.METHODS),
      "a tuple of " + ", ".join(merge.METHODS)),
 )

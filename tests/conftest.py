@@ -96,3 +96,19 @@ def run_notebook(name: str, workdir) -> dict:
       plt.close("all")
   return scope
 
+
+
+def math_file(path, n=300, op="+"):
+  """A GSM8K-style JSONL file of ``n`` sums (or differences, ``op="-"``)
+  of numbers below 500, the final answer after ``####``."""
+  import json
+  import numpy as np
+  rng = np.random.default_rng(0)
+  with open(path, "w") as f:
+    for _ in range(n):
+      a, b = (int(x) for x in rng.integers(0, 500, 2))
+      c = a + b if op == "+" else a - b
+      f.write(json.dumps({"question": f"what is {a} {op} {b}?",
+                          "answer": f"{a} {op} {b} = {c}\n#### {c}"})
+              + "\n")
+  return str(path)

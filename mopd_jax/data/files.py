@@ -149,6 +149,16 @@ def is_file_domain(name: str) -> bool:
   return name.split(":", 1)[0] in REWARDS and ":" in name
 
 
+def label(name: str) -> str:
+  """A domain's name as a file or folder name: a built-in name as it is,
+  ``<kind>:<path>`` as ``<kind>_<file stem>`` (``math:/d/gsm8k.jsonl`` ->
+  ``math_gsm8k``)."""
+  if not is_file_domain(name):
+    return name
+  kind, path = name.split(":", 1)
+  return f"{kind}_{os.path.splitext(os.path.basename(path))[0]}"
+
+
 @dataclasses.dataclass(frozen=True)
 class FileDomain(domains.Domain):
   """The records of one file, with the verifier of their kind."""

@@ -25,9 +25,10 @@ def accuracy_curves(run_dir: str) -> dict:
   out: dict = {}
   for record in read_metrics(run_dir):
     for key, value in record.items():
-      parts = key.split("/")
-      if len(parts) == 4 and parts[0] == "eval" and parts[3] == "accuracy":
-        out.setdefault(parts[1], {}).setdefault(parts[2], []).append(
+      # eval/<mode>/<domain>/accuracy; a file domain's name holds slashes
+      if key.startswith("eval/") and key.endswith("/accuracy"):
+        mode, _, domain = key[len("eval/"):-len("/accuracy")].partition("/")
+        out.setdefault(mode, {}).setdefault(domain, []).append(
             (record["step"], value))
   return out
 

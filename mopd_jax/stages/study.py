@@ -21,6 +21,7 @@ from mopd_jax import config as config_lib
 from mopd_jax import stages
 from mopd_jax.atomic import write_json_atomic
 from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
+from mopd_jax.data import files
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import headroom, report, study_report
@@ -79,11 +80,16 @@ class Study:
 
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
-    self.domains = tuple(TRAIN_DOMAINS)
+    self.domains = domains(config)
+    # Evaluated on: the built-in five (transfer to the held-out one), or
+    # the user's own domains alone.
+    self.eval_domains = tuple(DOMAINS) if not config.domains else self.domains
+    self.held_out = tuple(d for d in HELD_OUT_DOMAINS
+                          if d in self.eval_domains)
     self.base = config.base or os.path.join(workdir, "base")
     self.experts = (parse_teachers(config.experts, self.domains, "experts")
                     if config.experts else
-                    {d: os.path.join(workdir, f"expert_{d}")
+                    {d: os.path.join(workdir, f"expert_{files.label(d)}")
                      for d in self.domains})
     self.template = ",".join(f"{d}={p}" for d, p in self.experts.items())
     self.variant = config.variant
@@ -106,6 +112,10 @@ class Study:
       return
     if self.config.data_dir:
       fields["data.data_dir"] = self.config.data_dir
+    if self.config.domains:
+      fields["eval.domains"] = self.eval_domains
+      if name in ("mix_rl", "mopd", "merge"):
+        fields["data.domains"] = self.domains
     config = child_config(name, variant or self.variant,
                           self.config.overrides.get(name, ()), **fields)
     stages.run(config, workdir)
@@ -166,8 +176,8 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
     return
   if not os.path.exists(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    evaluate_run(run_dir, c.num_prompts, list(DOMAINS), output=path,
-                 samples=c.samples)
+    evaluate_run(run_dir, c.num_prompts, list(study.eval_domains),
+                 output=path, samples=c.samples)
 
 
 # Minutes each kind of task took in the default study on the 2-core CPU
@@ -290,7 +300,7 @@ def write_results(study: Study) -> dict:
                       experts_total if needs else None)
             if run_dir and model in configs else {})
     entries[model] = report.model_entry(
-        found, base, oracle, study.domains, HELD_OUT_DOMAINS, c.num_prompts,
+        found, base, oracle, study.domains, study.held_out, c.num_prompts,
         cost)
   geometry_path = next((os.path.join(study.models()[f"merge/{m}"],
                                      "geometry.json")
@@ -303,12 +313,12 @@ def write_results(study: Study) -> dict:
     with open(geometry_path, encoding="utf-8") as f:
       task_vectors = json.load(f)
   results = dict(
-      domains=list(study.domains), held_out=list(HELD_OUT_DOMAINS),
+      domains=list(study.domains), held_out=list(study.held_out),
       eval=dict(num_prompts=c.num_prompts, samples=c.samples),
       methods=entries,
       transfer=report.transfer({d: experts[d]["greedy"]
                                 for d in study.domains}, base["greedy"],
-                               list(DOMAINS)),
+                               list(study.eval_domains)),
       task_vectors=task_vectors)
   results["recommendation"] = report.recommendation(results)
   write_json_atomic(os.path.join(study.workdir, RESULTS_FILE), results)
@@ -322,12 +332,23 @@ def write_results(study: Study) -> dict:
   return results
 
 
+def domains(config) -> tuple[str, ...]:
+  """The study's training domains: ``domains``, else the built-in four."""
+  return tuple(config.domains) or tuple(TRAIN_DOMAINS)
+
+
 def check(config) -> None:
-  """Plugged-in runs exist before anything is written."""
+  """Plugged-in runs exist before anything is written; a study on the
+  user's own domains has a base to start from."""
   if config.base and not os.path.isdir(os.path.expanduser(config.base)):
     raise ConfigError(f"base: {config.base} is not a run directory")
+  if config.domains and not config.base and "base" in config.steps:
+    raise ConfigError("base: a study on your own domains starts from a"
+                      " base run (--config.base, e.g. a checkpoint imported"
+                      " with mopd_jax.convert); the built-in base is"
+                      " trained on the built-in domains only")
   if config.experts:
-    for run_dir in parse_teachers(config.experts, tuple(TRAIN_DOMAINS),
+    for run_dir in parse_teachers(config.experts, domains(config),
                                   "experts").values():
       if not os.path.isdir(os.path.expanduser(run_dir)):
         raise ConfigError(f"experts: {run_dir} is not a run directory")

@@ -4,10 +4,9 @@ domain end to end."""
 
 import json
 
-import numpy as np
 import pytest
 
-from conftest import ROOT, train_cli
+from conftest import math_file
 from mopd_jax.data import domains, files
 from mopd_jax.errors import DataError
 
@@ -61,19 +60,8 @@ def test_each_constraint(constraint, good, bad):
   assert files.constraints_reward(bad, answer) == 0.0
 
 
-def _math_file(path, n=300):
-  rng = np.random.default_rng(0)
-  with open(path, "w") as f:
-    for _ in range(n):
-      a, b = (int(x) for x in rng.integers(0, 500, 2))
-      f.write(json.dumps({"question": f"what is {a} + {b}?",
-                          "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
-              + "\n")
-  return str(path)
-
-
 def test_a_file_domain_splits_and_draws(tmp_path):
-  name = "math:" + _math_file(tmp_path / "m.jsonl")
+  name = "math:" + math_file(tmp_path / "m.jsonl")
   spec = domains.get_domain(name)
   assert spec.verify("so 12", "#### 12") == 1.0
   test = domains.generate(name, "test", 1000, seed=0)
@@ -121,17 +109,3 @@ def test_a_bad_record_names_file_and_line(tmp_path, kind, record, words):
 def test_unknown_kind_lists_the_file_kinds():
   with pytest.raises(DataError, match=r"math\|choice\|constraints:<path>"):
     domains.get_domain("poetry:/tmp/x.jsonl")
-
-
-def test_grpo_expert_on_a_file_domain(tmp_path, smoke_run, data_dir):
-  name = "math:" + _math_file(tmp_path / "m.jsonl", n=600)
-  result = train_cli(f"--config={ROOT}/configs/grpo.py:smoke",
-                     f"--config.domain={name}",
-                     f"--config.init={smoke_run[0]}",
-                     f"--config.eval.domains=('{name}', 'add')",
-                     f"--workdir={tmp_path / 'expert'}",
-                     f"--config.data.data_dir={data_dir}")
-  assert result.returncode == 0, result.stderr[-3000:]
-  scalars = json.loads((tmp_path / "expert" / "eval.json").read_text())
-  assert f"eval/greedy/{name}/accuracy" in scalars
-  assert "eval/greedy/add/accuracy" in scalars

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import ROOT, run_notebook, train_cli
+from conftest import ROOT, math_file, run_notebook, train_cli
 from mopd_jax.evaluation import report
 from mopd_jax.stages import study as study_stage
 
@@ -89,6 +89,32 @@ def test_rerun_skips_finished_steps(study, data_dir, cached_env, smoke_run):
   assert (workdir / "results.json").read_text() == before
 
 
+def test_a_study_on_file_domains(tmp_path, data_dir, cached_env, smoke_run):
+  """The study on two of the user's own math files from a given base:
+  GRPO experts (in folders named by kind and file), Merge, every model
+  evaluated on those domains alone, the report."""
+  names = ["math:" + math_file(tmp_path / "sums.jsonl", 400),
+           "math:" + math_file(tmp_path / "diffs.jsonl", 400, op="-")]
+  workdir = tmp_path / "study"
+  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
+                     f"--workdir={workdir}", f"--config.base={smoke_run[0]}",
+                     f"--config.domains={tuple(names)!r}",
+                     "--config.steps=('experts','merge','evaluate','report')",
+                     f"--config.data_dir={data_dir}", env=cached_env,
+                     timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads((workdir / "results.json").read_text())
+  assert results["domains"] == names and results["held_out"] == []
+  assert set(results["methods"]) == {"base", f"expert/{names[0]}",
+                                     f"expert/{names[1]}", "merge/ties",
+                                     "oracle"}
+  for entry in results["methods"].values():
+    assert set(entry["accuracy"]) == set(names)
+  assert (workdir / "expert_math_sums" / "summary.json").exists()
+  assert (workdir / "expert_math_diffs" / "summary.json").exists()
+  assert "## Recommendation" in (workdir / "report.md").read_text()
+
+
 def test_bad_step_and_missing_base_are_one_line(tmp_path):
   result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
                      f"--workdir={tmp_path / 'w'}",
@@ -101,6 +127,12 @@ def test_bad_step_and_missing_base_are_one_line(tmp_path):
                      f"--workdir={tmp_path / 'w'}",
                      f"--config.base={tmp_path / 'none'}")
   assert result.returncode == 2 and "base:" in result.stderr.splitlines()[-1]
+  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
+                     f"--workdir={tmp_path / 'w'}",
+                     f"--config.domains=('math:{tmp_path}/m.jsonl',)")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      "error: base: a study on your own domains starts from a base run")
   assert not (tmp_path / "w").exists()
 
 
