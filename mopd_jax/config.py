@@ -23,7 +23,7 @@ from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import merge
 from mopd_jax.objectives import grpo, opd
 from mopd_jax.ops import vocab
-from mopd_jax.models.config import ModelConfig
+from mopd_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from mopd_jax.rollout.sampler import SamplingConfig
 
 ALL_DOMAINS = tuple(DOMAINS)
@@ -54,8 +54,11 @@ def _non_negative(v):
   return v >= 0
 
 
-def _model() -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
+def _model(fields=None) -> ml_collections.ConfigDict:
+  """``ModelConfig``'s defaults (only ``fields`` when given)."""
+  values = dataclasses.asdict(ModelConfig())
+  return ml_collections.ConfigDict(
+      {k: v for k, v in values.items() if fields is None or k in fields})
 
 
 def _sampling(**overrides) -> ml_collections.ConfigDict:
@@ -69,12 +72,16 @@ def _sampling(**overrides) -> ml_collections.ConfigDict:
 def _common(method: str, init: bool) -> ml_collections.ConfigDict:
   """What every method has: its name, the seed, the data, sampling and
   evaluation settings, the mesh; ``init``: it starts from an earlier run
-  (whose architecture it takes) instead of building a ``model``."""
+  (whose architecture it takes) instead of building a ``model``, and
+  ``model`` holds only how to compute it."""
   c = ml_collections.ConfigDict()
   c.method = method
   c.seed = 0
   if init:
     c.init = ""  # workdir of the run to start from (the base model)
+    # How that run's architecture is computed here (bfloat16, remat,
+    # blocked attention); the rest of ``model`` comes with its weights.
+    c.model = _model(EXECUTION_FIELDS)
   else:
     c.model = _model()
   c.data = ml_collections.ConfigDict(dict(
@@ -509,6 +516,25 @@ def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
   config.eval.update(num_prompts=8, batch_size=8)
 
 
+def for_real_models(config: ml_collections.ConfigDict) -> None:
+  """What every ``:hf`` variant shares: a Hugging Face checkpoint
+  (imported with ``mopd_jax.convert``) on accelerators. bfloat16 matmuls
+  over float32 master weights, per-layer remat and blocked attention (the
+  memory plan's 7B rows), prompts of up to 512 tokens and completions of up
+  to 1,024, parameters sharded over every device (FSDP). The checkpoint
+  and the data come from flags (``--config.init``, ``--config.base``,
+  ``--config.data.domains``, ``--config.domain``)."""
+  if "model" in config:
+    config.model.update(dtype="bfloat16", remat=True, attention_chunk=512)
+  if "data" in config:
+    config.data.max_prompt_len = 512
+  if "sampling" in config:
+    config.sampling.max_new_tokens = 1024
+  config.mesh.update(data=1, fsdp=-1)
+  if "batch_size" in config.eval:
+    config.eval.update(num_prompts=256, batch_size=64)
+
+
 _CHECKS: Checks = (_COMMON_CHECKS + _TRAINING_CHECKS + _PRETRAIN_CHECKS
                    + _ON_POLICY_CHECKS + _GRPO_CHECKS + _MIX_RL_CHECKS
                    + _MERGE_CHECKS + _STUDY_CHECKS + _MOPD_CHECKS)
@@ -569,7 +595,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for path, ok, what in _CHECKS:
     if _has(full, path) and not ok(_get(full, path)):
       raise ConfigError(f"{path}: must be {what}, got {_get(full, path)!r}")
-  if "model" in full and full.model.num_heads % full.model.num_kv_heads:
+  if "num_heads" in full.get("model", {}) and (
+      full.model.num_heads % full.model.num_kv_heads):
     raise ConfigError("model.num_kv_heads: must divide model.num_heads"
                       f" ({full.model.num_heads}), got"
                       f" {full.model.num_kv_heads}")

@@ -104,12 +104,17 @@ def check_same_tokens(run_dir: str, run_config, tokenizer, field: str) -> None:
 def resolve_model(config) -> None:
   """Give a stage that starts from ``config.init`` that run's architecture
   (the ``model`` section comes with the weights), so its own config.json
-  names the model too; the run must share this run's token ids."""
+  names the model too; how it is computed (``EXECUTION_FIELDS``: bfloat16,
+  remat, blocked attention) stays this run's choice. The run must share
+  this run's token ids."""
   if "init" in config and config.init:
     run_config = load_run_config(config.init)
     check_same_tokens(config.init, run_config,
                       tokenizer_lib.of_run(config.init), "init")
-    config.model = run_config.model
+    model = run_config.model
+    for key in EXECUTION_FIELDS:
+      model[key] = config.model[key]
+    config.model = model
 
 
 def check_resumable(config, workdir: str) -> None:

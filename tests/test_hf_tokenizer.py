@@ -89,11 +89,20 @@ def test_a_checkpoint_with_its_own_tokenizer_end_to_end(tmp_path, smoke_run,
       "tokenizer"]
   assert fingerprint.startswith("hf-")
 
+  # Trained as the :hf variants train real checkpoints: bfloat16 over
+  # float32 weights, remat, blocked attention (prefill, cached decode and
+  # flash backward).
   expert = tmp_path / "expert"
   result = train_cli(f"--config={ROOT}/configs/grpo.py:smoke",
                      "--config.domain=add", f"--config.init={base}",
+                     "--config.model.dtype=bfloat16",
+                     "--config.model.remat=True",
+                     "--config.model.attention_chunk=8",
                      f"--workdir={expert}", f"--config.data.data_dir={data_dir}")
   assert result.returncode == 0, result.stderr[-3000:]
+  model = json.load(open(expert / "config.json"))["model"]
+  assert (model["dtype"], model["remat"], model["attention_chunk"],
+          model["embed_dim"]) == ("bfloat16", True, 8, 32)
   assert os.path.exists(expert / "tokenizer.json")
   assert json.load(open(expert / "config.json"))["tokenizer"] == fingerprint
   result = subprocess.run(

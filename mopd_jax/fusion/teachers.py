@@ -20,7 +20,7 @@ import numpy as np
 from mopd_jax import parallel, runs
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
-from mopd_jax.models.config import ModelConfig
+from mopd_jax.models.config import ModelConfig, with_execution
 from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
 
@@ -66,29 +66,32 @@ class Teacher:
   init: Model | None  # the expert's own starting point (proxy teacher)
 
 
-def load_model(run_dir: str, tokenizer, mesh) -> tuple[Model, Any]:
-  """The final parameters of the run in ``run_dir`` and its run config; the
-  run must share the student's token ids."""
+def load_model(run_dir: str, tokenizer, mesh, execution: ModelConfig
+               ) -> tuple[Model, Any]:
+  """The final parameters of the run in ``run_dir``, computed as
+  ``execution`` (the student's config) says, and its run config; the run
+  must share the student's token ids."""
   run_config = runs.load_run_config(run_dir)
   runs.check_same_tokens(run_dir, run_config, tokenizer, "teachers")
-  cfg = ModelConfig(**run_config.model.to_dict())
+  cfg = with_execution(ModelConfig(**run_config.model.to_dict()), execution)
   return Model(cfg, runs.load_params(run_dir, cfg, mesh)), run_config
 
 
-def load_teachers(dirs: dict[str, str], tokenizer, mesh, with_init: bool
-                  ) -> list[Teacher]:
-  """One teacher per domain; ``with_init`` also loads each expert's own
-  ``init`` run (needed by the proxy teacher)."""
+def load_teachers(dirs: dict[str, str], tokenizer, mesh, with_init: bool,
+                  execution: ModelConfig) -> list[Teacher]:
+  """One teacher per domain, computed as ``execution`` says; ``with_init``
+  also loads each expert's own ``init`` run (needed by the proxy
+  teacher)."""
   teachers = []
   for domain, run_dir in dirs.items():
-    model, run_config = load_model(run_dir, tokenizer, mesh)
+    model, run_config = load_model(run_dir, tokenizer, mesh, execution)
     init = None
     if with_init:
       init_dir = run_config.get("init", "")
       if not init_dir or not os.path.isdir(os.path.expanduser(init_dir)):
         raise CheckpointError(f"teachers: {run_dir} names no readable init"
                               f" run ({init_dir!r}) for the proxy teacher")
-      init = load_model(init_dir, tokenizer, mesh)[0]
+      init = load_model(init_dir, tokenizer, mesh, execution)[0]
     teachers.append(Teacher(domain, run_dir, model, init))
   return teachers
 

@@ -157,7 +157,8 @@ class MOPD:
     self.teacher_mesh = teachers.teacher_mesh(mesh, opd_cfg.teacher_devices)
     self.teachers = teachers.load_teachers(
         teachers.parse_teachers(config.teachers, self.names), tokenizer,
-        self.teacher_mesh, with_init=opd_cfg.proxy_teacher)
+        self.teacher_mesh, with_init=opd_cfg.proxy_teacher,
+        execution=model_cfg)
     self.router = teachers.ROUTERS[opd_cfg.router](self.names, self.teachers)
     student_init = (teachers.Model(model_cfg, runs.load_params(
         config.init, model_cfg, self.teacher_mesh)) if opd_cfg.proxy_teacher

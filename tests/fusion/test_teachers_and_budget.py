@@ -1,11 +1,13 @@
 """MOPD plumbing: teacher specs and checks, oracle routing, routed scoring,
 and the Open-MOPD weights against hand-computed cases."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mopd_jax import parallel
+from mopd_jax import parallel, runs
 from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import open_mopd, teachers
 from mopd_jax.models.config import ModelConfig
@@ -175,3 +177,19 @@ def test_proxy_teacher_scores_with_shifted_logits():
   want = np.take_along_axis(np.asarray(want), args[2][..., None], -1)[..., 0]
   np.testing.assert_allclose(proxy((base, expert, init), *args)["teacher_logp"],
                              want, rtol=1e-5, atol=1e-5)
+
+
+def test_teachers_compute_as_the_students_run_says(smoke_run):
+  """A teacher keeps its architecture and weights but runs in the
+  student's precision, remat and attention (a bfloat16 MOPD run scores in
+  bfloat16, whatever the expert trained in)."""
+  run_dir = str(smoke_run[0])
+  own = ModelConfig(**runs.load_run_config(run_dir).model.to_dict())
+  student = dataclasses.replace(own, dtype="bfloat16", remat=True,
+                                attention_chunk=16)
+  mesh = parallel.make_mesh(data=-1)
+  (teacher,) = teachers.load_teachers({"add": run_dir}, CharTokenizer(),
+                                      mesh, with_init=False,
+                                      execution=student)
+  assert teacher.model.cfg == student
+  assert own.dtype == "float32" and not own.remat

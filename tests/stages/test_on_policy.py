@@ -7,6 +7,7 @@ import pytest
 
 from conftest import load_config
 from mopd_jax import config as config_lib
+from mopd_jax.errors import ConfigError
 from mopd_jax import parallel, runs, training
 from mopd_jax.stages import mopd as mopd_stage
 from mopd_jax.stages import on_policy
@@ -72,3 +73,25 @@ def test_step_advances_the_state_and_reports_every_domain(
   again, _ = on_policy.step(ctx, method, kept, 0)
   jax.tree.map(np.testing.assert_array_equal, again["params"],
                first_params)
+
+
+def test_a_run_from_init_keeps_its_own_execution_fields(smoke_run, data_dir):
+  """The architecture comes from ``init``; bfloat16, remat and blocked
+  attention asked for on this run's command line are not overwritten, and
+  an architecture field is not this run's to set."""
+  config = load_config("mix_rl", "smoke")
+  config.update(init=str(smoke_run[0]))
+  config.model.update(dtype="bfloat16", remat=True, attention_chunk=16)
+  config.data.data_dir = data_dir
+  config = config_lib.validate(config)
+  runs.resolve_model(config)
+  base = runs.load_run_config(str(smoke_run[0])).model
+  assert config.model.embed_dim == base.embed_dim
+  assert config.model.num_layers == base.num_layers
+  assert (config.model.dtype, config.model.remat,
+          config.model.attention_chunk) == ("bfloat16", True, 16)
+  other = load_config("mix_rl", "smoke")
+  other.update(init=str(smoke_run[0]))
+  other.model.embed_dim = 64
+  with pytest.raises(ConfigError, match="model.embed_dim: unknown field"):
+    config_lib.validate(other)
