@@ -7,10 +7,11 @@ The expert stops by measurement: at the first evaluation (every 25 steps)
 where its domain's greedy validation accuracy has gained ``stop.gain`` =
 20 points over the base, within ``train.steps`` = 300 (``stop.gain=0``: a
 fixed step count). Every field and its default lives in
-``mopd_jax/config.py``. Variants: ``:smoke`` (seconds, for tests).
+``mopd_jax/config.py``. Variants: ``:smoke`` (seconds, for tests),
+``:hf`` (a Hugging Face checkpoint on accelerators: ``config.for_real_models``).
 """
 
-from mopd_jax.config import defaults, shrink_for_smoke
+from mopd_jax.config import defaults, for_real_models, shrink_for_smoke
 
 
 def get_config(variant: str = ""):
@@ -19,6 +20,8 @@ def get_config(variant: str = ""):
     shrink_for_smoke(config)
     config.rl.update(prompts_per_step=4, group_size=4, minibatches=2)
     config.stop.gain = 0.0  # 4 steps: no target to reach
+  elif variant == "hf":
+    for_real_models(config)
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/grpo.py")
   return config

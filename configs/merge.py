@@ -11,10 +11,11 @@ breadcrumbs_ties, model_stock, slerp, karcher, sparse_union), with
 mergekit's parameters (``lambda``, ``density``, ``gamma``, ``t``,
 ``weights``, ``normalize``); ``merge.overrides`` sets them per parameter
 by name pattern. ``merge.sweep`` chooses ``lambda`` (and ``density``) on
-the validation split. Variants: ``:smoke`` (seconds, for tests).
+the validation split. Variants: ``:smoke`` (seconds, for tests),
+``:hf`` (a Hugging Face checkpoint on accelerators: ``config.for_real_models``).
 """
 
-from mopd_jax.config import defaults
+from mopd_jax.config import defaults, for_real_models
 
 
 def get_config(variant: str = ""):
@@ -24,6 +25,8 @@ def get_config(variant: str = ""):
     config.eval.update(num_prompts=8, batch_size=8)
     config.merge.update(sweep_lambdas=(0.5, 1.0), sweep_densities=(0.5,),
                         sweep_prompts=8)
+  elif variant == "hf":
+    for_real_models(config)
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/merge.py")
   return config

@@ -9,10 +9,11 @@ Open-MOPD mechanisms are switched on in ``open_mopd`` (``token_share``,
 ``gap_budget``, ``reward_refresh``). Variants: ``:open`` (all three on,
 with the tempered balancing and per-sequence gap that measured better
 together than the exact ones: see README, Open-MOPD ablation), ``:smoke``
-(seconds, for tests).
+(seconds, for tests), ``:hf`` (a Hugging Face checkpoint on accelerators:
+``config.for_real_models``).
 """
 
-from mopd_jax.config import defaults, shrink_for_smoke
+from mopd_jax.config import defaults, for_real_models, shrink_for_smoke
 
 
 def get_config(variant: str = ""):
@@ -24,6 +25,8 @@ def get_config(variant: str = ""):
   elif variant == "smoke":
     shrink_for_smoke(config)
     config.rl.update(prompts_per_step=8, group_size=2, minibatches=2)
+  elif variant == "hf":
+    for_real_models(config)
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/mopd.py")
   return config

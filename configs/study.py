@@ -15,7 +15,9 @@ Each step is an ordinary run under the workdir (``base``,
 one. Writes ``results.json`` and ``report.md`` with figures. On file
 domains every model is evaluated on those domains alone and the experts
 live in ``expert_<kind>_<file stem>``. Variants:
-``:smoke`` (every step's smoke config; under 2 minutes, for tests).
+``:smoke`` (every step's smoke config; under 2 minutes, for tests), ``:hf``
+(every step's ``:hf`` config, from ``--config.base``: real checkpoints on
+accelerators).
 """
 
 from mopd_jax.config import defaults
@@ -29,6 +31,9 @@ def get_config(variant: str = ""):
     for name in config.overrides:  # the smoke configs' own sizes
       config.overrides[name] = ()
     config.eval.update(num_prompts=8, samples=2)
+  elif variant == "hf":
+    config.variant = "hf"
+    config.mesh.update(data=1, fsdp=-1)
   elif variant:
     raise ValueError(f"unknown variant {variant!r} of configs/study.py")
   return config

@@ -170,3 +170,24 @@ def test_open_mopd_variant_validates_and_power_is_checked():
   cfg.open_mopd.token_share_power = -1.0
   with pytest.raises(ConfigError, match=r"^open_mopd\.token_share_power:"):
     config_lib.validate(cfg)
+
+
+@pytest.mark.parametrize("name", ["grpo", "mix_rl", "mopd", "merge", "study"])
+def test_hf_variants_validate_with_the_real_model_settings(name):
+  """Every ``:hf`` variant is a valid config with bfloat16, remat, blocked
+  attention (where the method computes with its model), FSDP over every
+  device and, for the study, every step run as its ``:hf`` variant."""
+  config = load_config(name, "hf")
+  if name != "study":  # the checkpoint comes from a flag
+    config.init = "runs/qwen3"
+  if name in ("merge", "mopd"):
+    config["experts" if name == "merge" else "teachers"] = "runs/e_{domain}"
+  config = config_lib.validate(config)
+  assert (config.mesh.data, config.mesh.fsdp) == (1, -1)
+  if name == "study":
+    assert config.variant == "hf"
+    return
+  assert (config.model.dtype, config.model.remat,
+          config.model.attention_chunk) == ("bfloat16", True, 512)
+  assert config.data.max_prompt_len == 512
+  assert config.sampling.max_new_tokens == 1024

@@ -181,9 +181,10 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
 
 
 # Minutes each kind of task took in the default study on the 2-core CPU
-# (docs/results.md): the ETA's prior, rescaled by this machine's pace.
-MINUTES = {"base": 5.9, "experts": 4.7, "merge": 0.6, "mix_rl": 6.5,
-           "mopd": 5.9, "open_mopd": 6.9, "evaluate": 0.45, "report": 0.1}
+# (the README's run; an expert's time depends on when it reaches its
+# target: 0.7-3.1): the ETA's prior, rescaled by this machine's pace.
+MINUTES = {"base": 5.1, "experts": 1.5, "merge": 0.33, "mix_rl": 4.6,
+           "mopd": 4.8, "open_mopd": 5.4, "evaluate": 0.23, "report": 0.05}
 
 
 def eta_minutes(kinds, ran: list[tuple[str, float]]) -> float | None:
@@ -342,11 +343,12 @@ def check(config) -> None:
   user's own domains has a base to start from."""
   if config.base and not os.path.isdir(os.path.expanduser(config.base)):
     raise ConfigError(f"base: {config.base} is not a run directory")
-  if config.domains and not config.base and "base" in config.steps:
-    raise ConfigError("base: a study on your own domains starts from a"
-                      " base run (--config.base, e.g. a checkpoint imported"
-                      " with mopd_jax.convert); the built-in base is"
-                      " trained on the built-in domains only")
+  if ((config.domains or config.variant == "hf") and not config.base
+      and "base" in config.steps):
+    raise ConfigError("base: a study of real models or your own domains"
+                      " starts from a base run (--config.base, e.g. a"
+                      " checkpoint imported with mopd_jax.convert); the"
+                      " built-in base learns the built-in domains only")
   if config.experts:
     for run_dir in parse_teachers(config.experts, domains(config),
                                   "experts").values():

@@ -132,7 +132,7 @@ def test_bad_step_and_missing_base_are_one_line(tmp_path):
                      f"--config.domains=('math:{tmp_path}/m.jsonl',)")
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1].startswith(
-      "error: base: a study on your own domains starts from a base run")
+      "error: base: a study of real models or your own domains starts")
   assert not (tmp_path / "w").exists()
 
 
