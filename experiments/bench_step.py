@@ -1,10 +1,15 @@
 """Benchmark: train-step throughput and MFU, sampler decode throughput.
 
     python experiments/bench_step.py [--preset=tiny] [--rows=32] [--length=72]
+    # on an accelerator: Qwen3-0.6B's shape in bfloat16, remat, blocked
+    # attention, against the device's datasheet peak
+    python experiments/bench_step.py --preset=qwen3_0p6b --rows=16 \
+        --length=2048 --remat --chunk=512 --peak_tflops=989
 
 Prints, all measured in this one process:
 * the train step's tokens/s and model-FLOPs utilisation (MFU) against the
-  peak of a large float32 matmul timed here (the machine's practical peak);
+  peak of a large matmul in the model's dtype timed here (the machine's
+  practical peak), or ``--peak_tflops`` (a datasheet's);
 * the sampler's decode tokens/s (KV cache, ``lax.while_loop``) against a
   baseline that re-runs the full forward pass over the whole padded sequence
   for every new token (no cache), and the ratio of the two.
@@ -13,6 +18,7 @@ Prints, all measured in this one process:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,23 +33,13 @@ from mopd_jax.training import make_optimizer, init_state
 from mopd_jax.timing import timed
 
 
-def matmul_peak(n: int = 2048) -> float:
-  """FLOP/s of an ``n x n`` float32 matmul, the peak MFU is measured against."""
-  a = jax.random.normal(jax.random.key(0), (n, n))
-  b = jax.random.normal(jax.random.key(1), (n, n))
+def matmul_peak(n: int = 2048, dtype: str = "float32") -> float:
+  """FLOP/s of an ``n x n`` matmul in the model's compute ``dtype``, the
+  peak MFU is measured against."""
+  a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+  b = jax.random.normal(jax.random.key(1), (n, n), dtype)
   mm = jax.jit(jnp.dot)
   return 2 * n ** 3 / timed(lambda: mm(a, b).block_until_ready(), 5)
-
-
-def train_flops_per_token(cfg: ModelConfig, length: int) -> float:
-  """``6 N`` (matmuls, forward and backward) plus ``12 L H d T`` (attention
-  scores and values, forward and backward), the usual MFU accounting; the
-  input embedding lookup does no matmul and is left out of ``N``."""
-  n = cfg.num_params() - cfg.vocab_size * cfg.embed_dim
-  if cfg.tie_embeddings:  # the tied table still does the output matmul
-    n += cfg.vocab_size * cfg.embed_dim
-  attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length
-  return 6 * n + attention
 
 
 def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float):
@@ -68,7 +64,7 @@ def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float):
 
   seconds = timed(lambda: jax.block_until_ready(step(state, batch)), 10)
   tokens = rows * length
-  flops = train_flops_per_token(cfg, length) * tokens / seconds
+  flops = cfg.train_flops_per_token(length, cfg.remat) * tokens / seconds
   return tokens / seconds, flops, flops / peak
 
 
@@ -103,7 +99,7 @@ def bench_decode(cfg: ModelConfig, batch: int, prompt_len: int, new: int):
   return batch * new / cached, batch * new / baseline
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
   parser.add_argument("--rows", type=int, default=32)
@@ -113,11 +109,23 @@ def main():
   parser.add_argument("--new_tokens", type=int, default=48)
   parser.add_argument("--peak_size", type=int, default=2048,
                       help="side of the matmul that measures the peak")
-  args = parser.parse_args()
-  cfg = PRESETS[args.preset]
+  parser.add_argument("--peak_tflops", type=float, default=0.0,
+                      help="a device's peak instead of the measured one")
+  parser.add_argument("--dtype", default="", choices=("", "float32",
+                                                      "bfloat16"),
+                      help="compute dtype (default: the preset's)")
+  parser.add_argument("--remat", action="store_true")
+  parser.add_argument("--chunk", type=int, default=0,
+                      help="blocked attention over this many keys")
+  args = parser.parse_args(argv)
+  cfg = dataclasses.replace(PRESETS[args.preset], remat=args.remat,
+                            attention_chunk=args.chunk,
+                            dtype=args.dtype or PRESETS[args.preset].dtype)
   print(f"backend={jax.default_backend()} devices={jax.device_count()}"
-        f" preset={args.preset} params={cfg.num_params():,}")
-  peak = matmul_peak(args.peak_size)
+        f" preset={args.preset} params={cfg.num_params():,} dtype={cfg.dtype}"
+        f" remat={cfg.remat} chunk={cfg.attention_chunk}")
+  peak = (args.peak_tflops * 1e12 if args.peak_tflops
+          else matmul_peak(args.peak_size, cfg.dtype))
   tok_s, flops, mfu = bench_train(cfg, args.rows, args.length, peak)
   print(f"matmul peak             {peak / 1e9:10.1f} GFLOP/s")
   print(f"train step              {tok_s:10.0f} tokens/s"

@@ -32,9 +32,9 @@ dimension leaves it replicated):
 
 ``--mfu`` and ``--peak_tflops`` turn a table row into the train step's
 predicted throughput: ``tokens/s per device = mfu * peak / flops per
-token`` with ``8 N`` FLOPs a token (forward, backward and, with
-``--remat``, the recomputed forward; ``6 N`` without), plus attention's
-``12 L H d_h T`` (``16`` with remat).
+token`` and ``ModelConfig.train_flops_per_token``'s ``6 N + 12 L H d_h
+T`` FLOPs a token (``4/3`` of it with ``--remat``: the forward pass runs
+twice).
 
 ``--check`` compiles the tiny model's train step and the sampler's cache
 allocation on a (2,2,2) mesh of 8 fake CPU devices and prints these
@@ -61,12 +61,12 @@ from mopd_jax.models import decoder
 from mopd_jax.models.config import PRESETS, ModelConfig
 from mopd_jax.objectives.sft import make_train_step
 
-MODELS = ("tiny", "qwen7b")
+MODELS = ("tiny", "qwen3_0p6b", "qwen7b")
 
 
 def model_config(name: str):
-  if name == "tiny":
-    return PRESETS["tiny"]
+  if name in PRESETS:
+    return PRESETS[name]
   # Qwen2.5-7B-class: q/k/v biases, untied output layer; bfloat16
   # matmuls with float32 master weights (the teachers: bfloat16).
   return ModelConfig(vocab_size=152064, embed_dim=3584, num_layers=28,
@@ -123,14 +123,6 @@ def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
               act=act + block)
 
 
-def train_flops_per_token(cfg, length: int, remat: bool) -> float:
-  """``6 N + 12 L H d_h T`` (``8 N + 16 L H d_h T`` with remat: the
-  forward pass runs twice)."""
-  passes = 4 if remat else 3
-  return passes * (2 * cfg.num_params() + 4 * cfg.num_layers
-                   * cfg.num_heads * cfg.head_dim * length)
-
-
 def _parse_mesh(text: str) -> dict:
   sizes = [int(s) for s in text.split(",")]
   if len(sizes) != 3 or min(sizes) < 1:
@@ -153,7 +145,7 @@ def print_table(args) -> None:
         f"{f', attention blocks of {args.chunk}' if args.chunk else ''};"
         " GiB per device")
   speed = args.mfu > 0
-  flops = train_flops_per_token(cfg, args.length, args.remat)
+  flops = cfg.train_flops_per_token(args.length, args.remat)
   if speed:
     print(f"train tokens/s at {args.mfu:.0%} MFU of {args.peak_tflops:g}"
           f" TFLOP/s a device, {flops / 1e9:.1f} GFLOP a token")
