@@ -1,6 +1,7 @@
 """Benchmark: the sampler against transformers' ``generate`` on one model.
 
-    python experiments/bench_sampler.py [--size=default|large] [--repeats=5]
+    python experiments/bench_sampler.py [--size=default|large|long]
+        [--repeats=5] [--chunk=64]
 
 Both sample the same Llama-shaped model (our random parameters, converted
 with ``models.hf``) at temperature 1 with no top-k / top-p and no early
@@ -11,7 +12,9 @@ on both sides). Prints both decode rates
 (new tokens per second, prefill included) and, as the last line, their
 ratio. ``default`` is the built-in model (d=128, 4 layers, vocabulary 58,
 untied) at batch 128, 24 + 48 tokens; ``large`` is d=512, 8 layers,
-vocabulary 32k at batch 32, 64 + 64.
+vocabulary 32k at batch 32, 64 + 64; ``long`` the default model at batch
+32, 64 + 448 (512 cache slots). ``--chunk`` gives our model blocked
+attention, whose decode reads only the filled part of the cache.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ SIZES = {
     "large": (ModelConfig(vocab_size=32_000, embed_dim=512, num_layers=8,
                           num_heads=8, num_kv_heads=4, head_dim=64,
                           mlp_dim=1536, tie_embeddings=False), 32, 64, 64),
+    "long": (ModelConfig(tie_embeddings=False), 32, 64, 448),
     "smoke": (ModelConfig(vocab_size=40, embed_dim=32, num_layers=2,
                           num_heads=2, num_kv_heads=1, head_dim=16,
                           mlp_dim=64, tie_embeddings=False), 4, 6, 5),
@@ -76,8 +80,11 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--batch", type=int, default=0)
   parser.add_argument("--json", default="", help="also write figures here")
+  parser.add_argument("--chunk", type=int, default=0,
+                      help="our model's attention_chunk (0: dense)")
   args = parser.parse_args()
   cfg, batch, prompt_len, new = SIZES[args.size]
+  cfg = dataclasses.replace(cfg, attention_chunk=args.chunk)
   batch = args.batch or batch
   params = decoder.init_params(cfg, jax.random.key(0))
   prompt = jax.random.randint(jax.random.key(2), (batch, prompt_len), 3,

@@ -64,7 +64,7 @@ def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float):
 
   seconds = timed(lambda: jax.block_until_ready(step(state, batch)), 10)
   tokens = rows * length
-  flops = cfg.train_flops_per_token(length, cfg.remat) * tokens / seconds
+  flops = cfg.train_flops_per_token(length) * tokens / seconds
   return tokens / seconds, flops, flops / peak
 
 

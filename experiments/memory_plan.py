@@ -33,8 +33,8 @@ dimension leaves it replicated):
 ``--mfu`` and ``--peak_tflops`` turn a table row into the train step's
 predicted throughput: ``tokens/s per device = mfu * peak / flops per
 token`` and ``ModelConfig.train_flops_per_token``'s ``6 N + 12 L H d_h
-T`` FLOPs a token (``4/3`` of it with ``--remat``: the forward pass runs
-twice).
+T`` model FLOPs a token (MFU does not count remat's second forward
+pass).
 
 ``--check`` compiles the tiny model's train step and the sampler's cache
 allocation on a (2,2,2) mesh of 8 fake CPU devices and prints these
@@ -58,22 +58,14 @@ import optax
 
 from mopd_jax import parallel, runs, training
 from mopd_jax.models import decoder
-from mopd_jax.models.config import PRESETS, ModelConfig
+from mopd_jax.models.config import PRESETS
 from mopd_jax.objectives.sft import make_train_step
 
-MODELS = ("tiny", "qwen3_0p6b", "qwen7b")
+MODELS = tuple(PRESETS)
 
 
 def model_config(name: str):
-  if name in PRESETS:
-    return PRESETS[name]
-  # Qwen2.5-7B-class: q/k/v biases, untied output layer; bfloat16
-  # matmuls with float32 master weights (the teachers: bfloat16).
-  return ModelConfig(vocab_size=152064, embed_dim=3584, num_layers=28,
-                     num_heads=28, num_kv_heads=4, head_dim=128,
-                     mlp_dim=18944, rope_theta=1e6, tie_embeddings=False,
-                     attention_bias=True, dtype="bfloat16",
-                     param_dtype="float32")
+  return PRESETS[name]
 
 
 def _bytes(axis_sizes, names, shape, itemsize) -> float:
@@ -104,7 +96,7 @@ def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
   B, T = train_batch, length
   bt, bth = ("batch", "length"), ("batch", "length", "heads", "head_dim")
   heads = ("batch", "heads", None, None)
-  if chunk:
+  if chunk and length > chunk:  # else the keys fit one block: dense
     scores = _bytes(axis_sizes, heads, (B, H, T, Dh + 2), 4)
     block = 3 * _bytes(axis_sizes, heads, (B, H, T, min(chunk, T)), 4)
   else:
@@ -145,7 +137,7 @@ def print_table(args) -> None:
         f"{f', attention blocks of {args.chunk}' if args.chunk else ''};"
         " GiB per device")
   speed = args.mfu > 0
-  flops = cfg.train_flops_per_token(args.length, args.remat)
+  flops = cfg.train_flops_per_token(args.length)
   if speed:
     print(f"train tokens/s at {args.mfu:.0%} MFU of {args.peak_tflops:g}"
           f" TFLOP/s a device, {flops / 1e9:.1f} GFLOP a token")

@@ -123,6 +123,7 @@ _COMMON_CHECKS: Checks = (
      "float32 or bfloat16"),
     ("model.param_dtype", lambda v: v in ("float32", "bfloat16"),
      "float32 or bfloat16"),
+    ("model.attention_chunk", _non_negative, ">= 0 (0: dense attention)"),
     ("init", lambda v: bool(v), "the workdir of the run to start from"),
     ("data.domains", *_DOMAIN_TUPLE),
     ("data.weights", lambda v: all(w >= 0 for w in v) and (
@@ -521,9 +522,17 @@ def for_real_models(config: ml_collections.ConfigDict) -> None:
   (imported with ``mopd_jax.convert``) on accelerators. bfloat16 matmuls
   over float32 master weights, per-layer remat and blocked attention (the
   memory plan's 7B rows), prompts of up to 512 tokens and completions of up
-  to 1,024, parameters sharded over every device (FSDP). The checkpoint
-  and the data come from flags (``--config.init``, ``--config.base``,
-  ``--config.data.domains``, ``--config.domain``)."""
+  to 1,024, parameters sharded over every device (FSDP), a learning rate
+  of 1e-6 (a pretrained model's RL rate, not the tiny model's 2e-4) and
+  train minibatches of 32 sequences (a rollout batch of 256 in 8; the
+  memory plan's rows). The checkpoint and the data come from flags
+  (``--config.init``, ``--config.base``, ``--config.data.domains``,
+  ``--config.domain``)."""
+  if "optim" in config:
+    config.optim.learning_rate = 1e-6
+  if "rl" in config:
+    config.rl.minibatches = (config.rl.prompts_per_step
+                             * config.rl.group_size) // 32
   if "model" in config:
     config.model.update(dtype="bfloat16", remat=True, attention_chunk=512)
   if "data" in config:

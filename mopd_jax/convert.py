@@ -1,6 +1,7 @@
 """Hugging Face checkpoints in and out of run directories.
 
-    python -m mopd_jax.convert import --hf_dir=D --out=RUN
+    python -m mopd_jax.convert import --hf_dir=D --out=RUN \
+        [--param_dtype=float32|bfloat16]
     python -m mopd_jax.convert export --run=RUN --out=D
 
 ``import`` reads a Llama, Qwen2 or Qwen3 ``config.json`` and its
@@ -49,9 +50,10 @@ FAMILIES = {"llama": {}, "qwen2": {"attention_bias": True},
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def model_config(fields: dict, path: str) -> ModelConfig:
+def model_config(fields: dict, path: str, param_dtype: str = "float32"
+                 ) -> ModelConfig:
   """Our ``ModelConfig`` from a Hugging Face ``config.json`` (``path``
-  names it in errors)."""
+  names it in errors), its weights stored as ``param_dtype``."""
   family = fields.get("model_type")
   if family not in FAMILIES:
     raise CheckpointError(f"{path}: model_type {family!r} is not supported"
@@ -75,8 +77,7 @@ def model_config(fields: dict, path: str) -> ModelConfig:
         mlp_dim=int(fields["intermediate_size"]), rope_theta=float(rope),
         norm_eps=float(fields.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(fields.get("tie_word_embeddings", False)),
-        param_dtype="bfloat16" if fields.get("torch_dtype", fields.get(
-            "dtype")) == "bfloat16" else "float32",
+        param_dtype=param_dtype,
         **{k: v for k, v in FAMILIES[family].items()})
   except KeyError as e:
     raise CheckpointError(f"{path}: no {e.args[0]} field") from None
@@ -150,11 +151,17 @@ def _output_dir(out: str):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def import_hf(hf_dir: str, out: str) -> dict:
+def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> dict:
   """Write the Hugging Face checkpoint in ``hf_dir`` as a run directory at
-  ``out``; returns its summary."""
+  ``out``, its weights as ``param_dtype`` (float32 by default: the master
+  weights a run trains, whatever the checkpoint stores; a bfloat16 copy
+  halves the size of a run that only teaches or is evaluated); returns
+  its summary."""
+  if param_dtype not in ("float32", "bfloat16"):
+    raise UserError(f"--param_dtype: {param_dtype!r} is not float32 or"
+                    " bfloat16")
   config_path = os.path.join(hf_dir, "config.json")
-  cfg = model_config(_read_json(config_path), config_path)
+  cfg = model_config(_read_json(config_path), config_path, param_dtype)
   tokenizer = tokenizer_lib.of_run(hf_dir)
   if not isinstance(tokenizer, tokenizer_lib.HFTokenizer):
     raise CheckpointError(f"{hf_dir}: no tokenizer.json, so the token ids"
@@ -216,6 +223,8 @@ def define_flags() -> None:
                       " directory.")
   flags.DEFINE_string("run", None, "export: the run directory.")
   flags.DEFINE_string("out", None, "Where to write (must not exist).")
+  flags.DEFINE_string("param_dtype", "float32", "import: the weights' dtype"
+                      " in the run (float32: master weights to train).")
 
 
 def main(command: str) -> None:
@@ -223,7 +232,7 @@ def main(command: str) -> None:
   if command == "import":
     if not f.hf_dir or not f.out:
       raise UserError("import needs --hf_dir and --out")
-    summary = import_hf(f.hf_dir, f.out)
+    summary = import_hf(f.hf_dir, f.out, f.param_dtype)
     print(f"imported {f.hf_dir} -> {f.out}"
           f" (params sha256 {summary['params_sha256'][:12]})")
   else:

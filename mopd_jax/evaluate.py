@@ -10,7 +10,8 @@ differences: the standard error of an accuracy ``p`` over ``N`` prompts is
 ``N = 960``. With ``--samples=n`` it also measures solution coverage:
 pass@k (``k`` = 1, 2, 4, ... n) from ``n`` samples of each prompt at the
 evaluation temperature, keys ``eval/pass@<k>/<domain>``. The run's
-directory is only added to, never rewritten.
+directory is only added to, never rewritten. An imported checkpoint
+(``mopd_jax.convert``) is evaluated with the default settings.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 
 import jax
+import ml_collections
 from absl import flags
 
 from mopd_jax import config as config_lib
@@ -27,6 +29,7 @@ from mopd_jax.data.domains import DOMAINS
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluation import evaluator, pass_at_k
 from mopd_jax.models import tokenizer as tokenizer_lib
+from mopd_jax.models.config import EXECUTION_FIELDS
 
 _RUN = flags.DEFINE_string("run", None, "Run directory to evaluate.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 960,
@@ -49,16 +52,41 @@ def output_path(run_dir: str, num_prompts: int, output: str = "") -> str:
                                 eval_file_name(num_prompts))
 
 
+# The sections of a run's config that its evaluation reads.
+SECTIONS = ("seed", "data", "sampling", "eval", "mesh")
+
+
+def run_settings(run_dir: str, settings=None):
+  """The config that evaluates the run in ``run_dir``: its own, with
+  ``SECTIONS`` it lacks (an imported checkpoint has none) taken from
+  ``settings`` (default: Mix RL's defaults) and, when ``settings`` is
+  given, its execution fields (a study evaluates every model in one
+  precision)."""
+  config = runs.load_run_config(run_dir)
+  fill = settings or config_lib.defaults("mix_rl")
+  for key in SECTIONS:
+    if key not in config:
+      value = fill[key]
+      config[key] = (ml_collections.ConfigDict(value.to_dict())
+                     if isinstance(value, ml_collections.ConfigDict)
+                     else value)
+  if settings is not None:
+    for key in EXECUTION_FIELDS:
+      config.model[key] = settings.model[key]
+  return config
+
+
 def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
-                 samples: int = 0) -> dict[str, float]:
+                 samples: int = 0, settings=None) -> dict[str, float]:
   """Evaluate the final parameters of ``run_dir`` on ``num_prompts`` test
   prompts of each of ``domains`` (and their pass@k from ``samples``
-  samples each when > 0); write and return the scalars."""
+  samples each when > 0), with ``run_settings(run_dir, settings)``; write
+  and return the scalars."""
   if num_prompts <= 0:
     raise ConfigError(f"--num_prompts: {num_prompts} must be > 0")
   if samples < 0:
     raise ConfigError(f"--samples: {samples} must be >= 0")
-  config = runs.load_run_config(run_dir)
+  config = run_settings(run_dir, settings)
   path = output_path(run_dir, num_prompts, output)
   _check_writable(path, "--output" if output else "--run")
   tokenizer = tokenizer_lib.of_run(run_dir)

@@ -191,3 +191,7 @@ def test_hf_variants_validate_with_the_real_model_settings(name):
           config.model.attention_chunk) == ("bfloat16", True, 512)
   assert config.data.max_prompt_len == 512
   assert config.sampling.max_new_tokens == 1024
+  if name != "merge":
+    assert config.optim.learning_rate == 1e-6
+    rl = config.rl
+    assert rl.prompts_per_step * rl.group_size // rl.minibatches == 32

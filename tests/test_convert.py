@@ -122,6 +122,23 @@ def test_import_places_each_leaf_in_its_shards_as_it_is_built(
   assert q[2] == (2, 5, 4, 12) and q[3] == (2, 40, 4, 12)
 
 
+def test_a_bfloat16_checkpoint_imports_as_float32_master_weights(tmp_path):
+  """A checkpoint stored in bfloat16 (as Qwen3's are) becomes float32
+  weights to train, exactly the stored values; ``param_dtype=bfloat16``
+  keeps them as they are."""
+  model, path = _saved(tmp_path, "qwen3")
+  model.to(torch.bfloat16).save_pretrained(path)
+  stored = model.model.embed_tokens.weight.float().detach().numpy()
+  for dtype in ("float32", "bfloat16"):
+    run_dir = str(tmp_path / dtype)
+    convert.import_hf(path, run_dir, param_dtype=dtype)
+    cfg, params = runs.final_model(run_dir)
+    assert cfg.param_dtype == dtype
+    assert {leaf.dtype.name for leaf in jax.tree.leaves(params)} == {dtype}
+    np.testing.assert_array_equal(
+        np.asarray(params["embed"], np.float32), stored)
+
+
 def test_cli_round_trip_and_one_line_errors(tmp_path):
   _, path = _saved(tmp_path, "qwen3")
   run_dir, out = str(tmp_path / "run"), str(tmp_path / "out")

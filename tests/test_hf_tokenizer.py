@@ -17,6 +17,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from conftest import ROOT, train_cli  # noqa: E402
 from mopd_jax import convert  # noqa: E402
 from mopd_jax.data import domains  # noqa: E402
+from mopd_jax.evaluate import evaluate_run  # noqa: E402
 from mopd_jax.errors import DataError  # noqa: E402
 from mopd_jax.models import tokenizer as tokenizer_lib  # noqa: E402
 
@@ -88,6 +89,10 @@ def test_a_checkpoint_with_its_own_tokenizer_end_to_end(tmp_path, smoke_run,
   fingerprint = json.load(open(os.path.join(base, "config.json")))[
       "tokenizer"]
   assert fingerprint.startswith("hf-")
+  # The imported run evaluates as it is (its config holds only the model
+  # and tokenizer: the rest are the defaults).
+  scalars = evaluate_run(base, 4, ["add"], output=str(tmp_path / "b.json"))
+  assert "eval/greedy/add/accuracy" in scalars
 
   # Trained as the :hf variants train real checkpoints: bfloat16 over
   # float32 weights, remat, blocked attention (prefill, cached decode and

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mopd_jax import parallel, runs
+from mopd_jax.data import files
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig, with_execution
@@ -29,10 +30,11 @@ def parse_teachers(spec: str, domains, field: str = "teachers"
                    ) -> dict[str, str]:
   """``{domain: run directory}`` from ``teachers`` (or Merge's ``experts``,
   named by ``field``): a template with ``{domain}``
-  (``runs/expert_{domain}``) or ``domain=dir`` pairs separated by commas.
+  (``runs/expert_{domain}``; a file domain fills in ``files.label``'s
+  ``<kind>_<file stem>``) or ``domain=dir`` pairs separated by commas.
   Every domain needs a run (oracle routing, one task vector each)."""
   if "{domain}" in spec:
-    dirs = {d: spec.replace("{domain}", d) for d in domains}
+    dirs = {d: spec.replace("{domain}", files.label(d)) for d in domains}
   else:
     dirs = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -69,12 +71,18 @@ class Teacher:
 def load_model(run_dir: str, tokenizer, mesh, execution: ModelConfig
                ) -> tuple[Model, Any]:
   """The final parameters of the run in ``run_dir``, computed as
-  ``execution`` (the student's config) says, and its run config; the run
-  must share the student's token ids."""
+  ``execution`` (the student's config) says (held in bfloat16 when it
+  computes in bfloat16), and its run config; the run must share the
+  student's token ids."""
   run_config = runs.load_run_config(run_dir)
   runs.check_same_tokens(run_dir, run_config, tokenizer, "teachers")
   cfg = with_execution(ModelConfig(**run_config.model.to_dict()), execution)
-  return Model(cfg, runs.load_params(run_dir, cfg, mesh)), run_config
+  params = runs.load_params(run_dir, cfg, mesh)
+  if cfg.dtype == "bfloat16" and cfg.param_dtype == "float32":
+    # Frozen, so kept in the precision they compute in: half the memory.
+    cfg = dataclasses.replace(cfg, param_dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  return Model(cfg, params), run_config
 
 
 def load_teachers(dirs: dict[str, str], tokenizer, mesh, with_init: bool,

@@ -53,17 +53,17 @@ class ModelConfig:
     return self.vocab_size * d + self.num_layers * per_layer + d + head
 
 
-  def train_flops_per_token(self, length: int, remat: bool = False
-                            ) -> float:
-    """``6 N + 12 L H d_h T``: matmuls forward and backward plus attention
-    scores and values over ``T = length`` keys (the usual MFU accounting;
-    the input embedding lookup does no matmul and is left out of ``N``).
-    With ``remat`` the forward pass runs twice: ``4/3`` of that."""
+  def train_flops_per_token(self, length: int) -> float:
+    """Model FLOPs of one trained token, ``6 N + 12 L H d_h T``: matmuls
+    forward and backward plus attention scores and values over ``T =
+    length`` keys (the usual MFU accounting: a rematerialised forward pass
+    is not counted; the input embedding lookup does no matmul and is left
+    out of ``N``)."""
     n = self.num_params() - self.vocab_size * self.embed_dim
     if self.tie_embeddings:  # the tied table still does the output matmul
       n += self.vocab_size * self.embed_dim
     attention = 12 * self.num_layers * self.num_heads * self.head_dim * length
-    return (6 * n + attention) * (4 / 3 if remat else 1)
+    return 6 * n + attention
 
 
 # Fields that change how a model is computed, not what: runs that differ in
@@ -82,10 +82,16 @@ PRESETS = {
     "tiny": ModelConfig(),
     "micro": ModelConfig(embed_dim=32, num_layers=2, num_heads=2,
                          num_kv_heads=1, head_dim=16, mlp_dim=64),
-    # Qwen3-0.6B's architecture (q/k-norm, tied embeddings), bfloat16
-    # matmuls over float32 weights: the accelerator benchmarks' size.
+    # Real architectures, bfloat16 matmuls over float32 weights.
+    # Qwen3-0.6B's (q/k-norm, tied embeddings): the accelerator benchmark's.
     "qwen3_0p6b": ModelConfig(vocab_size=151936, embed_dim=1024,
                               num_layers=28, num_heads=16, num_kv_heads=8,
                               head_dim=128, mlp_dim=3072, rope_theta=1e6,
                               qk_norm=True, dtype="bfloat16"),
+    # Qwen2.5-7B's (q/k/v biases, untied output layer): the memory plan's.
+    "qwen7b": ModelConfig(vocab_size=152064, embed_dim=3584, num_layers=28,
+                          num_heads=28, num_kv_heads=4, head_dim=128,
+                          mlp_dim=18944, rope_theta=1e6,
+                          tie_embeddings=False, attention_bias=True,
+                          dtype="bfloat16"),
 }

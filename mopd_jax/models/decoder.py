@@ -212,7 +212,8 @@ def _online_block(carry, qg, kj, vj, mask):
   scale = jnp.exp(m - m_new)
   p = jnp.exp(s - m_new[..., None])
   o = scale[..., None] * o + jnp.einsum(
-      "bkrs,bksd->bkrd", p.astype(vj.dtype), vj).astype(jnp.float32)
+      "bkrs,bksd->bkrd", p.astype(vj.dtype), vj,
+      preferred_element_type=jnp.float32)
   return m_new, scale * l + p.sum(-1), o
 
 
@@ -245,14 +246,20 @@ def _key_blocks(k, v, span: Span, chunk: int):
           jnp.pad(span.kv_slots, (0, pad)).reshape(n, chunk))
 
 
+def _masked(x, mask, fill):
+  """``x`` [B, K, G*T, c] (grouped rows) where ``mask`` [B, T, c] holds,
+  else ``fill``."""
+  B, K, R, c = x.shape
+  T = mask.shape[1]
+  return jnp.where(mask[:, None, None], x.reshape(B, K, R // T, T, c),
+                   fill).reshape(B, K, R, c)
+
+
 def _block_scores(qg, kj, mask):
   """``s_j = q k_j^T / sqrt(d)``, masked to -1e30: [B, K, G*T, c]."""
-  B, K, R, d = qg.shape
-  T, c = mask.shape[1:]
   s = jnp.einsum("bkrd,bksd->bkrs", qg, kj,
-                 preferred_element_type=jnp.float32) * d ** -0.5
-  return jnp.where(mask[:, None, None], s.reshape(B, K, R // T, T, c),
-                   -1e30).reshape(B, K, R, c)
+                 preferred_element_type=jnp.float32) * qg.shape[-1] ** -0.5
+  return _masked(s, mask, -1e30)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -288,24 +295,27 @@ def _chunked_backward(chunk, saved, grad):
       dQ = sum_j dS_j K_j / sqrt(d),  dK_j = dS_j^T Q / sqrt(d)."""
   q, k, v, span, out, m, l = saved
   T, K, S, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
-  qg = _grouped(q, K).astype(jnp.float32)
-  dout = _grouped(grad, K).astype(jnp.float32)
-  rowsum = jnp.sum(dout * out, axis=-1)
+  f32 = jnp.float32
+  # Matmul operands stay in the inputs' dtype (bfloat16 on accelerators),
+  # accumulated in float32, as in the forward pass.
+  qg, dout = _grouped(q, K), _grouped(grad.astype(q.dtype), K)
+  rowsum = jnp.sum(dout.astype(f32) * out, axis=-1)
 
   def step(dq, block):
     kj, vj, seg_j, slot_j = block
     mask = attention_mask(span.q_segments, span.q_slots, seg_j, slot_j)
     p = jnp.exp(_block_scores(qg, kj, mask) - m[..., None]) / l[..., None]
-    dv = jnp.einsum("bkrs,bkrd->bksd", p, dout)
-    dp = jnp.einsum("bkrd,bksd->bkrs", dout, vj.astype(jnp.float32))
-    ds = p * (dp - rowsum[..., None])
-    B, _, R, c = ds.shape
-    ds = jnp.where(mask[:, None, None], ds.reshape(B, K, R // T, T, c),
-                   0.0).reshape(B, K, R, c) * d ** -0.5
-    return (dq + jnp.einsum("bkrs,bksd->bkrd", ds, kj.astype(jnp.float32)),
-            (jnp.einsum("bkrs,bkrd->bksd", ds, qg), dv))
+    dv = jnp.einsum("bkrs,bkrd->bksd", p.astype(v.dtype), dout,
+                    preferred_element_type=f32)
+    dp = jnp.einsum("bkrd,bksd->bkrs", dout, vj, preferred_element_type=f32)
+    ds = _masked(p * (dp - rowsum[..., None]), mask, 0.0) * d ** -0.5
+    ds = ds.astype(q.dtype)
+    return (dq + jnp.einsum("bkrs,bksd->bkrd", ds, kj,
+                            preferred_element_type=f32),
+            (jnp.einsum("bkrs,bkrd->bksd", ds, qg,
+                        preferred_element_type=f32), dv))
 
-  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(qg),
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, f32),
                               _key_blocks(k, v, span, chunk))
 
   def unblock(x):
@@ -354,17 +364,9 @@ def _attend(q, k, v, mask):
   T and G apart, at T=1 and T=72). Masked scores get a large finite negative so a fully
   masked (padding) row stays finite.
   """
-  B, T, H, d = q.shape
-  K, S = k.shape[1], k.shape[2]
-  G = H // K
-  q = _grouped(q, K)
-  scores = jnp.einsum("bkrd,bksd->bkrs", q, k,
-                      preferred_element_type=jnp.float32) * d ** -0.5
-  scores = jnp.where(mask[:, None, None], scores.reshape(B, K, G, T, S),
-                     -1e30)
+  scores = _block_scores(_grouped(q, k.shape[1]), k, mask)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkrs,bksd->bkrd", probs.reshape(B, K, G * T, S), v)
-  return _ungrouped(out, T)
+  return _ungrouped(jnp.einsum("bkrs,bksd->bkrd", probs, v), q.shape[1])
 
 
 def _layer(cfg: ModelConfig, x, p, positions, span, kv_cache, index):

@@ -104,21 +104,24 @@ class Study:
       out[name] = os.path.join(self.workdir, name)
     return out
 
-  def child(self, label: str, name: str, workdir: str, variant: str = "",
-            **fields) -> None:
-    """Train (or resume) one run, unless it is finished."""
-    if os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
-      print(f"study: {label} finished before ({workdir})")
-      return
+  def child_config(self, name: str, **fields):
+    """``configs/<name>.py`` as this study runs it: its variant, its
+    overrides, the study's data directory and domains, and ``fields``."""
     if self.config.data_dir:
       fields["data.data_dir"] = self.config.data_dir
     if self.config.domains:
       fields["eval.domains"] = self.eval_domains
       if name in ("mix_rl", "mopd", "merge"):
         fields["data.domains"] = self.domains
-    config = child_config(name, variant or self.variant,
-                          self.config.overrides.get(name, ()), **fields)
-    stages.run(config, workdir)
+    return child_config(name, self.variant,
+                        self.config.overrides.get(name, ()), **fields)
+
+  def child(self, label: str, name: str, workdir: str, **fields) -> None:
+    """Train (or resume) one run, unless it is finished."""
+    if os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
+      print(f"study: {label} finished before ({workdir})")
+      return
+    stages.run(self.child_config(name, **fields), workdir)
 
 
 def _tasks(study: Study):
@@ -162,8 +165,10 @@ def _tasks(study: Study):
 def evaluation_path(study: Study, model: str) -> str:
   """Where the study keeps ``model``'s evaluation (in the study's workdir,
   so that plugged-in runs are only read)."""
-  return os.path.join(study.workdir, EVALUATIONS, model.replace("/", "_")
-                      + "_" + eval_file_name(study.config.eval.num_prompts))
+  kind, _, domain = model.partition("/")  # expert/<domain>: its label
+  name = f"{kind}_{files.label(domain)}" if domain else kind
+  return os.path.join(study.workdir, EVALUATIONS,
+                      name + "_" + eval_file_name(study.config.eval.num_prompts))
 
 
 def _evaluate(study: Study, model: str, run_dir: str) -> None:
@@ -176,8 +181,11 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
     return
   if not os.path.exists(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    # What a run lacks (an imported base has no data or sampling
+    # settings) and the precision come from the study's own variant.
     evaluate_run(run_dir, c.num_prompts, list(study.eval_domains),
-                 output=path, samples=c.samples)
+                 output=path, samples=c.samples,
+                 settings=study.child_config("mix_rl", init=study.base))
 
 
 # Minutes each kind of task took in the default study on the 2-core CPU
@@ -343,7 +351,13 @@ def check(config) -> None:
   user's own domains has a base to start from."""
   if config.base and not os.path.isdir(os.path.expanduser(config.base)):
     raise ConfigError(f"base: {config.base} is not a run directory")
-  if ((config.domains or config.variant == "hf") and not config.base
+  labels = [files.label(d) for d in domains(config)]
+  if len(set(labels)) < len(labels):
+    twice = next(x for x in labels if labels.count(x) > 1)
+    raise ConfigError(f"domains: two domains would share the folder"
+                      f" expert_{twice}; give each file its own name")
+  if ((any(map(files.is_file_domain, config.domains))
+       or config.variant == "hf") and not config.base
       and "base" in config.steps):
     raise ConfigError("base: a study of real models or your own domains"
                       " starts from a base run (--config.base, e.g. a"

@@ -34,7 +34,7 @@ def test_bench_ops_smoke():
 
 def test_bench_sampler_smoke(tmp_path):
   out = tmp_path / "sampler.json"
-  result = _run("bench_sampler.py", "--size=smoke", "--repeats=1",
+  result = _run("bench_sampler.py", "--size=smoke", "--repeats=1", "--chunk=4",
                 f"--json={out}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip().splitlines()[-1].startswith(

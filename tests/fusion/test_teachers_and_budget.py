@@ -3,6 +3,7 @@ and the Open-MOPD weights against hand-computed cases."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +22,10 @@ def test_parse_teachers_template_and_pairs():
       d: f"runs/e_{d}" for d in DOMAINS}
   assert teachers.parse_teachers("sort=c, add=a,chain=b", DOMAINS) == {
       "add": "a", "chain": "b", "sort": "c"}
+  # A file domain's path never lands in a folder name: its label does.
+  assert teachers.parse_teachers("runs/e_{domain}",
+                                 ("math:/d/gsm8k.jsonl", "add")) == {
+      "math:/d/gsm8k.jsonl": "runs/e_math_gsm8k", "add": "runs/e_add"}
   with pytest.raises(ConfigError, match="teachers: no run for domain 'sort'"):
     teachers.parse_teachers("add=a,chain=b", DOMAINS)
   with pytest.raises(ConfigError, match="not domain=run_dir"):
@@ -182,7 +187,8 @@ def test_proxy_teacher_scores_with_shifted_logits():
 def test_teachers_compute_as_the_students_run_says(smoke_run):
   """A teacher keeps its architecture and weights but runs in the
   student's precision, remat and attention (a bfloat16 MOPD run scores in
-  bfloat16, whatever the expert trained in)."""
+  bfloat16, and holds the teachers in bfloat16, whatever the expert
+  trained in)."""
   run_dir = str(smoke_run[0])
   own = ModelConfig(**runs.load_run_config(run_dir).model.to_dict())
   student = dataclasses.replace(own, dtype="bfloat16", remat=True,
@@ -191,5 +197,9 @@ def test_teachers_compute_as_the_students_run_says(smoke_run):
   (teacher,) = teachers.load_teachers({"add": run_dir}, CharTokenizer(),
                                       mesh, with_init=False,
                                       execution=student)
-  assert teacher.model.cfg == student
-  assert own.dtype == "float32" and not own.remat
+  assert teacher.model.cfg == dataclasses.replace(student,
+                                                  param_dtype="bfloat16")
+  assert own.dtype == own.param_dtype == "float32" and not own.remat
+  # Frozen weights held in the precision they compute in.
+  assert {x.dtype.name for x in jax.tree.leaves(teacher.model.params)} == {
+      "bfloat16"}

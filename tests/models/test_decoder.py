@@ -193,11 +193,9 @@ def test_remat_keeps_gradients_and_saves_activation_memory():
   assert temp[True] < 0.7 * temp[False], temp
 
 
-@pytest.mark.parametrize("chunk", [5, 16])
-def test_chunked_attention_equals_dense_with_gradients(chunk):
-  """Blocked attention (online softmax) against the dense one on packed,
-  left-padded rows with grouped queries, values and gradients to 1e-5;
-  chunk 5 does not divide the 23 keys."""
+def _packed_case():
+  """Packed, left-padded rows with grouped queries (23 keys), and a loss
+  over the real rows' outputs (padding rows are arbitrary)."""
   rng = np.random.default_rng(0)
   B, T, H, K, d = 3, 23, 4, 2, 8
   q = jnp.asarray(rng.normal(size=(B, T, H, d)), jnp.float32)
@@ -209,19 +207,42 @@ def test_chunked_attention_equals_dense_with_gradients(chunk):
   segments = jnp.asarray(segments)
   slots = jnp.arange(T)
   span = decoder.Span(segments, slots[None].repeat(B, 0), segments, slots)
-
-  valid = (segments != 0)[:, :, None, None]  # padding rows are arbitrary
+  valid = (segments != 0)[:, :, None, None]
 
   def loss(q, k, v, chunk):
-    out = decoder.attend(q, k, v, span, chunk) * valid
+    out = decoder.attend(q, k, v, span, chunk).astype(jnp.float32) * valid
     return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
 
+  return (q, k, v), span, valid, loss
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_chunked_attention_equals_dense_with_gradients(chunk):
+  """Blocked attention (online softmax, flash attention's backward pass)
+  against the dense one, values and gradients to 1e-5; chunk 5 does not
+  divide the 23 keys."""
+  (q, k, v), span, valid, loss = _packed_case()
   dense = decoder.attend(q, k, v, span, 0) * valid
   blocked = decoder.attend(q, k, v, span, chunk) * valid
   np.testing.assert_allclose(blocked, dense, atol=1e-5)
   grads = [jax.grad(loss, argnums=(0, 1, 2))(q, k, v, c) for c in (0, chunk)]
   for dense_g, blocked_g in zip(*grads):
     np.testing.assert_allclose(blocked_g, dense_g, atol=1e-5)
+
+
+def test_bfloat16_blocked_attention_gradients_as_close_as_dense():
+  """In bfloat16 the blocked backward pass (bfloat16 operands, float32
+  accumulation) is within 1% of the float32 gradients, as the dense one is
+  (measured: 0.4-0.6% of the largest entry for both)."""
+  args, _, _, loss = _packed_case()
+  ref = jax.grad(loss, argnums=(0, 1, 2))(*args, 0)
+  low = [x.astype(jnp.bfloat16) for x in args]
+  for chunk in (0, 5):
+    grads = jax.grad(loss, argnums=(0, 1, 2))(*low, chunk)
+    for g, r in zip(grads, ref):
+      assert g.dtype == jnp.bfloat16
+      err = jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r))
+      assert 0 < float(err) < 0.01, (chunk, float(err))
 
 
 def test_chunked_model_and_decode_match_dense():

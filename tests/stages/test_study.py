@@ -113,6 +113,9 @@ def test_a_study_on_file_domains(tmp_path, data_dir, cached_env, smoke_run):
   assert (workdir / "expert_math_sums" / "summary.json").exists()
   assert (workdir / "expert_math_diffs" / "summary.json").exists()
   assert "## Recommendation" in (workdir / "report.md").read_text()
+  assert sorted(p.name for p in (workdir / "evaluations").iterdir()) == [
+      f"{m}_eval_8.json" for m in ("base", "expert_math_diffs",
+                                   "expert_math_sums", "merge_ties")]
 
 
 def test_bad_step_and_missing_base_are_one_line(tmp_path):
@@ -133,6 +136,13 @@ def test_bad_step_and_missing_base_are_one_line(tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1].startswith(
       "error: base: a study of real models or your own domains starts")
+  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
+                     f"--workdir={tmp_path / 'w'}", "--config.base=.",
+                     "--config.domains=('math:a/x.jsonl','math:b/x.jsonl')")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: domains: two domains would share the folder expert_math_x;"
+      " give each file its own name")
   assert not (tmp_path / "w").exists()
 
 
