@@ -6,9 +6,9 @@ usable wherever a built-in domain name is (``data.domains``, an expert's
 * ``math``: ``{"prompt" or "question", "answer"}`` (GSM8K / MATH style).
   The final answer of a text is the last ``\\boxed{...}``, else what follows
   the last ``####``, else the last number. Graded with ``math-verify``
-  when it is installed, else by exact match after normalisation (commas,
-  ``$``, a trailing period and surrounding spaces dropped; numbers compared
-  as numbers).
+  (a dependency, so every machine grades alike), by exact match after
+  normalisation when it cannot parse an answer (commas, ``$``, a trailing
+  period and surrounding spaces dropped; numbers compared as numbers).
 * ``choice``: ``{"prompt" or "question", "answer": a letter}`` with an
   optional ``"choices"`` list, appended to the prompt as ``A. ...`` lines.
   The answer is the first standalone capital letter of the completion
@@ -102,25 +102,25 @@ def _normal(answer: str):
 
 @functools.cache
 def _math_verify():
-  """``math_verify``'s ``(parse, verify)``, or None when it is not
-  installed (looked up once: a failed import searches the path again)."""
-  try:
-    from math_verify import parse, verify
-  except ImportError:
-    return None
+  """``math_verify``'s ``(parse, verify)``, imported on first use (it
+  brings sympy, which a run on the built-in domains does not need)."""
+  from math_verify import parse, verify
   return parse, verify
 
 
 def math_reward(completion: str, answer: str) -> float:
-  """1 when the completion's final answer equals the reference's."""
+  """1 when the completion's final answer equals the reference's: as
+  ``math-verify`` judges them (``\\frac{1}{2}`` equals ``0.5``,
+  ``2\\sqrt{2}`` equals ``\\sqrt{8}``), or by exact match after
+  normalisation when it cannot parse either."""
   mine, ref = final_answer(completion), final_answer(answer)
-  if _math_verify() is None:
-    return float(_normal(mine) == _normal(ref))
+  exact = float(_normal(mine) == _normal(ref))
   parse, verify = _math_verify()
   try:
-    return float(bool(verify(parse(f"${ref}$"), parse(f"${mine}$"))))
+    gold, pred = parse(f"${ref}$"), parse(f"${mine}$")
+    return float(bool(verify(gold, pred))) if gold and pred else exact
   except Exception:  # pylint: disable=broad-except
-    return float(_normal(mine) == _normal(ref))
+    return exact
 
 
 def choice_letter(text: str) -> str:

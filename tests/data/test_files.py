@@ -29,6 +29,11 @@ def test_final_answer(text, want):
     ("it is 71", "72", 0.0),
     ("\\boxed{x+1}", "\\boxed{x+1}", 1.0),
     ("", "72", 0.0),
+    # math-verify's equivalences, beyond exact match
+    ("so \\boxed{\\frac{1}{2}}", "#### 0.5", 1.0),
+    ("\\boxed{2\\sqrt{2}}", "\\boxed{\\sqrt{8}}", 1.0),
+    ("\\boxed{x+1}", "\\boxed{1+x}", 1.0),
+    ("\\boxed{x+2}", "\\boxed{1+x}", 0.0),
 ])
 def test_math_reward(completion, answer, want):
   assert files.math_reward(completion, answer) == want
