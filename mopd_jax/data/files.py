@@ -112,7 +112,7 @@ def math_reward(completion: str, answer: str) -> float:
   """1 when the completion's final answer equals the reference's: as
   ``math-verify`` judges them (``\\frac{1}{2}`` equals ``0.5``,
   ``2\\sqrt{2}`` equals ``\\sqrt{8}``), or by exact match after
-  normalisation when it cannot parse either."""
+  normalisation when it cannot parse one of them."""
   mine, ref = final_answer(completion), final_answer(answer)
   exact = float(_normal(mine) == _normal(ref))
   parse, verify = _math_verify()
