@@ -129,3 +129,15 @@ def test_a_checkpoint_with_its_own_tokenizer_end_to_end(tmp_path, smoke_run,
   lines = [x for x in result.stderr.splitlines() if x.strip()]
   assert len(lines) == 1 and str(char_run) in lines[0], lines
   assert not (tmp_path / "mopd").exists()
+
+  # Of its own tokenizer, the imported run teaches with the expert (and
+  # the student distils in bfloat16, its teachers held in bfloat16).
+  teachers = f"add={expert},chain={base},instruct={base},sort={expert}"
+  result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
+                     f"--config.init={base}", f"--config.teachers={teachers}",
+                     "--config.model.dtype=bfloat16",
+                     f"--workdir={tmp_path / 'mopd'}",
+                     f"--config.data.data_dir={data_dir}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.load(open(tmp_path / "mopd" / "config.json"))["tokenizer"] == (
+      fingerprint)

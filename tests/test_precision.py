@@ -22,8 +22,8 @@ def _pretrain_losses(tmp_path, data_dir, dtype):
   config = load_config("pretrain", "smoke")
   config.data.data_dir = data_dir
   config.model.dtype = dtype
-  config.train.update(steps=40, log_every=5, eval_every=40)
-  config.checkpoint.every = 40
+  config.train.update(steps=30, log_every=5, eval_every=30)
+  config.checkpoint.every = 30
   config = config_lib.validate(config)
   workdir = tmp_path / dtype
   stages.run(config, str(workdir))
@@ -35,14 +35,14 @@ def _pretrain_losses(tmp_path, data_dir, dtype):
 
 
 def test_bfloat16_pretraining_tracks_float32(tmp_path, data_dir):
-  """40 steps of the smoke base: at every logged step the bfloat16 loss is
+  """30 steps of the smoke base: at every logged step the bfloat16 loss is
   within 0.1% of the float32 loss (measured: 2e-5 at most), while both
-  fall by more than 15% (23%); the weights stay float32."""
+  fall by more than 10% (14%); the weights stay float32."""
   f32, f32_dtypes = _pretrain_losses(tmp_path, data_dir, "float32")
   bf16, bf16_dtypes = _pretrain_losses(tmp_path, data_dir, "bfloat16")
-  assert sorted(f32) == sorted(bf16) and len(f32) == 8
+  assert sorted(f32) == sorted(bf16) and len(f32) == 6
   steps = sorted(f32)
-  assert f32[steps[-1]] < 0.85 * f32[steps[0]]
+  assert f32[steps[-1]] < 0.9 * f32[steps[0]]
   gaps = {s: abs(bf16[s] - f32[s]) / f32[s] for s in steps}
   assert max(gaps.values()) < 1e-3, gaps
   assert f32_dtypes == bf16_dtypes == {"float32"}
