@@ -2,7 +2,7 @@
 
     python -m mopd_jax.convert import --hf_dir=D --out=RUN \
         [--param_dtype=float32|bfloat16]
-    python -m mopd_jax.convert export --run=RUN --out=D
+    python -m mopd_jax.convert export --run=RUN --out=D [--dtype=bfloat16]
 
 ``import`` reads a Llama, Qwen2 or Qwen3 ``config.json`` and its
 safetensors (one file, or shards listed in ``model.safetensors.index.json``)
@@ -202,13 +202,17 @@ def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> dict:
     return training.write_summary(tmp, 0, params, hf_dir=hf_dir)
 
 
-def export_run(run_dir: str, out: str) -> None:
+def export_run(run_dir: str, out: str, dtype: str = "") -> None:
   """Write the final parameters of the run in ``run_dir`` as a Hugging Face
-  checkpoint at ``out``."""
+  checkpoint at ``out``, in ``dtype`` (default: the run's parameter
+  dtype; bfloat16 halves a float32 run's files)."""
   from safetensors.flax import save_file
+  if dtype not in ("", "float32", "bfloat16"):
+    raise UserError(f"--dtype: {dtype!r} is not float32 or bfloat16")
   cfg, params = runs.final_model(run_dir)
+  cfg = dataclasses.replace(cfg, param_dtype=dtype or cfg.param_dtype)
   with _output_dir(out) as tmp:
-    tensors = {k: jnp.asarray(v)
+    tensors = {k: jnp.asarray(v, cfg.param_dtype)
                for k, v in hf.to_hf(jax.device_get(params), cfg).items()}
     save_file(tensors, os.path.join(tmp, "model.safetensors"),
               metadata={"format": "pt"})
@@ -225,6 +229,8 @@ def define_flags() -> None:
   flags.DEFINE_string("out", None, "Where to write (must not exist).")
   flags.DEFINE_string("param_dtype", "float32", "import: the weights' dtype"
                       " in the run (float32: master weights to train).")
+  flags.DEFINE_string("dtype", "", "export: the checkpoint's dtype"
+                      " (default: the run's parameter dtype).")
 
 
 def main(command: str) -> None:
@@ -238,7 +244,7 @@ def main(command: str) -> None:
   else:
     if not f.run or not f.out:
       raise UserError("export needs --run and --out")
-    export_run(f.run, f.out)
+    export_run(f.run, f.out, f.dtype)
     print(f"exported {f.run} -> {f.out}")
 
 

@@ -125,7 +125,7 @@ def test_import_places_each_leaf_in_its_shards_as_it_is_built(
 def test_a_bfloat16_checkpoint_imports_as_float32_master_weights(tmp_path):
   """A checkpoint stored in bfloat16 (as Qwen3's are) becomes float32
   weights to train, exactly the stored values; ``param_dtype=bfloat16``
-  keeps them as they are."""
+  keeps them as they are; export writes bfloat16 when asked."""
   model, path = _saved(tmp_path, "qwen3")
   model.to(torch.bfloat16).save_pretrained(path)
   stored = model.model.embed_tokens.weight.float().detach().numpy()
@@ -137,6 +137,16 @@ def test_a_bfloat16_checkpoint_imports_as_float32_master_weights(tmp_path):
     assert {leaf.dtype.name for leaf in jax.tree.leaves(params)} == {dtype}
     np.testing.assert_array_equal(
         np.asarray(params["embed"], np.float32), stored)
+  # Exported back as bfloat16 from the float32 run: the same bits as the
+  # original checkpoint, which transformers reads as bfloat16.
+  out = str(tmp_path / "exported")
+  convert.export_run(str(tmp_path / "float32"), out, dtype="bfloat16")
+  again = transformers.AutoModelForCausalLM.from_pretrained(out)
+  assert json.load(open(os.path.join(out, "config.json")))[
+      "torch_dtype"] == "bfloat16"
+  assert again.model.embed_tokens.weight.dtype == torch.bfloat16
+  np.testing.assert_array_equal(
+      again.model.embed_tokens.weight.float().detach().numpy(), stored)
 
 
 def test_cli_round_trip_and_one_line_errors(tmp_path):
