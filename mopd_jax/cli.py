@@ -16,6 +16,20 @@ from absl import app, flags, logging
 from mopd_jax.errors import UserError, fail
 
 
+def config_value(holder, flag: str):
+  """The config of a ``config_flags`` flag, or a ``UserError`` naming
+  ``--flag`` when its file could not be loaded (which ml_collections
+  reports only on first access); None when the flag is not given."""
+  try:
+    config = holder.value
+    _ = config is None or "method" in config  # the first access loads it
+    return config
+  except OSError as e:
+    last = [l.strip() for l in str(e).splitlines() if l.strip()][-1]
+    raise UserError(f"--{flag}: cannot load the config file: {last}"
+                    ) from None
+
+
 def flag_error(error: Exception, argv) -> str:
   """One line for an exception raised while parsing flags and config
   overrides."""

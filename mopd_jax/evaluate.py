@@ -11,7 +11,10 @@ differences: the standard error of an accuracy ``p`` over ``N`` prompts is
 pass@k (``k`` = 1, 2, 4, ... n) from ``n`` samples of each prompt at the
 evaluation temperature, keys ``eval/pass@<k>/<domain>``. The run's
 directory is only added to, never rewritten. An imported checkpoint
-(``mopd_jax.convert``) is evaluated with the default settings.
+(``mopd_jax.convert``) has no data or sampling settings of its own: the
+defaults', or those of ``--settings=configs/<method>.py[:variant]``
+(e.g. ``configs/mix_rl.py:hf``: 512-token prompts, 1,024-token
+completions, bfloat16).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import jax
 import ml_collections
 from absl import flags
+from ml_collections import config_flags
 
 from mopd_jax import config as config_lib
 from mopd_jax import checkpointing, cli, parallel, runs, training
@@ -40,6 +44,12 @@ _SAMPLES = flags.DEFINE_integer("samples", 0, "n > 0: pass@k from n samples"
                                 " per prompt (0: no coverage measurement).")
 _OUTPUT = flags.DEFINE_string("output", "", "Where to write the scalars"
                               " (default: <run>/eval_<num_prompts>.json).")
+_SETTINGS = config_flags.DEFINE_config_file(
+    "settings", None, "A config (e.g. configs/mix_rl.py:hf) whose seed,"
+    " data, sampling, eval and mesh sections evaluate a run that has none"
+    " (an imported checkpoint), and whose execution fields (model.dtype,"
+    " remat, attention_chunk) any run is computed with; overrides as"
+    " --settings.data.max_prompt_len=1024.", lock_config=True)
 flags.mark_flags_as_required(["run"])
 
 
@@ -141,8 +151,13 @@ def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):
 
 
 def main() -> None:
+  settings = cli.config_value(_SETTINGS, "settings")
+  if settings is not None:
+    if "init" in settings:  # the run evaluated is the one it starts from
+      settings.init = _RUN.value
+    settings = config_lib.validate(settings)
   evaluate_run(_RUN.value, _NUM_PROMPTS.value, _DOMAINS.value, _OUTPUT.value,
-               _SAMPLES.value)
+               _SAMPLES.value, settings)
 
 
 if __name__ == "__main__":

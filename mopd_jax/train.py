@@ -11,7 +11,6 @@ from ml_collections import config_flags
 
 from mopd_jax import cli, parallel, stages
 from mopd_jax import config as config_lib
-from mopd_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/pretrain.py or"
@@ -22,22 +21,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main() -> None:
-  config = config_lib.validate(_load_config())
+  config = config_lib.validate(cli.config_value(_CONFIG, "config"))
   # Once per process, before anything touches a device.
   parallel.init_distributed(config.distributed)
   stages.run(config, _WORKDIR.value)
-
-
-def _load_config():
-  """The config, or a UserError when its file could not be loaded (which
-  ml_collections reports only on first access)."""
-  try:
-    config = _CONFIG.value
-    _ = "method" in config  # the first access loads the file
-    return config
-  except OSError as e:
-    last = [l.strip() for l in str(e).splitlines() if l.strip()][-1]
-    raise UserError(f"--config: cannot load the config file: {last}") from None
 
 
 if __name__ == "__main__":
