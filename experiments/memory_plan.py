@@ -12,7 +12,8 @@ dimension leaves it replicated):
 * ``params``: the student's parameters (``model.param_dtype``);
 * ``adam``: AdamW's two moments, float32, sharded like the parameters;
 * ``grads``: one gradient per parameter (``param_dtype``);
-* ``teachers``: ``--teachers`` frozen copies of the same architecture;
+* ``teachers``: ``--teachers`` frozen copies of the same architecture,
+  held in ``dtype`` (a bfloat16 run's teachers in bfloat16);
 * ``kv``: the rollout KV cache, ``2 L B S K d_h`` elements (``dtype``),
   ``B = --rollout_batch`` sequences of ``S = --length`` slots, split over
   ``batch`` and ``kv_heads``;
@@ -61,13 +62,6 @@ from mopd_jax.models import decoder
 from mopd_jax.models.config import PRESETS
 from mopd_jax.objectives.sft import make_train_step
 
-MODELS = tuple(PRESETS)
-
-
-def model_config(name: str):
-  return PRESETS[name]
-
-
 def _bytes(axis_sizes, names, shape, itemsize) -> float:
   """Bytes of one device's shard of an array of ``shape``."""
   ways = 1
@@ -78,8 +72,8 @@ def _bytes(axis_sizes, names, shape, itemsize) -> float:
 
 
 def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
-         train_batch: int, length: int, remat: bool, chunk: int = 0,
-         teacher_bytes: int = 2) -> dict:
+         train_batch: int, length: int, remat: bool, chunk: int = 0
+         ) -> dict:
   """``{component: bytes per device}`` (see the module docstring)."""
   shapes = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0)))
   names = decoder.logical_axes(cfg)
@@ -98,7 +92,7 @@ def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
   heads = ("batch", "heads", None, None)
   if chunk and length > chunk:  # else the keys fit one block: dense
     scores = _bytes(axis_sizes, heads, (B, H, T, Dh + 2), 4)
-    block = 3 * _bytes(axis_sizes, heads, (B, H, T, min(chunk, T)), 4)
+    block = 3 * _bytes(axis_sizes, heads, (B, H, T, chunk), 4)
   else:
     scores, block = 2 * _bytes(axis_sizes, heads, (B, H, T, T), 4), 0
   one_layer = (
@@ -111,7 +105,7 @@ def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
                   (L, rollout_batch, K, length, Dh), a_size)
   act = L * residual + one_layer if remat else L * one_layer
   return dict(params=params(p_size), adam=params(8), grads=params(p_size),
-              teachers=teachers * params(teacher_bytes), kv=kv,
+              teachers=teachers * params(a_size), kv=kv,
               act=act + block)
 
 
@@ -127,7 +121,7 @@ def _gib(x: float) -> str:
 
 
 def print_table(args) -> None:
-  cfg = model_config(args.model)
+  cfg = PRESETS[args.model]
   columns = ("params", "adam", "grads", "teachers", "kv", "act")
   print(f"{args.model}: {cfg.num_params() / 1e9:.2f}B parameters,"
         f" {args.teachers} teachers, rollout {args.rollout_batch} x"
@@ -183,7 +177,7 @@ LONG, BLOCK = (1024, 2048), 256
 def check() -> list[tuple[str, float, float]]:
   """``(quantity, estimate, XLA)`` for the tiny model on a (2,2,2) mesh of
   8 fake CPU devices (the process must have been started with them)."""
-  cfg = model_config("tiny")
+  cfg = PRESETS["tiny"]
   mesh = parallel.make_mesh(2, 2, 2)
   batch, length = 16, 64
   est = plan(cfg, dict(mesh.shape), 0, batch, batch, length, remat=False)
@@ -215,7 +209,7 @@ def check() -> list[tuple[str, float, float]]:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--model", choices=MODELS, default="qwen7b")
+  parser.add_argument("--model", choices=sorted(PRESETS), default="qwen7b")
   parser.add_argument("--teachers", type=int, default=3)
   parser.add_argument("--mesh", nargs="+", default=["4,16,1", "1,64,1"],
                       help="data,fsdp,tensor (several: one row each)")

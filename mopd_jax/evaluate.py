@@ -19,10 +19,10 @@ completions, bfloat16).
 
 from __future__ import annotations
 
+import copy
 import os
 
 import jax
-import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
@@ -33,7 +33,6 @@ from mopd_jax.data.domains import DOMAINS
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluation import evaluator, pass_at_k
 from mopd_jax.models import tokenizer as tokenizer_lib
-from mopd_jax.models.config import EXECUTION_FIELDS
 
 _RUN = flags.DEFINE_string("run", None, "Run directory to evaluate.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 960,
@@ -76,13 +75,9 @@ def run_settings(run_dir: str, settings=None):
   fill = settings or config_lib.defaults("mix_rl")
   for key in SECTIONS:
     if key not in config:
-      value = fill[key]
-      config[key] = (ml_collections.ConfigDict(value.to_dict())
-                     if isinstance(value, ml_collections.ConfigDict)
-                     else value)
+      config[key] = copy.deepcopy(fill[key])
   if settings is not None:
-    for key in EXECUTION_FIELDS:
-      config.model[key] = settings.model[key]
+    runs.with_execution_fields(config.model, settings.model)
   return config
 
 

@@ -111,10 +111,14 @@ def resolve_model(config) -> None:
     run_config = load_run_config(config.init)
     check_same_tokens(config.init, run_config,
                       tokenizer_lib.of_run(config.init), "init")
-    model = run_config.model
-    for key in EXECUTION_FIELDS:
-      model[key] = config.model[key]
-    config.model = model
+    config.model = with_execution_fields(run_config.model, config.model)
+
+
+def with_execution_fields(model, like):
+  """The ``model`` config section with ``like``'s ``EXECUTION_FIELDS``
+  (the section form of ``models.config.with_execution``)."""
+  model.update({key: like[key] for key in EXECUTION_FIELDS})
+  return model
 
 
 def check_resumable(config, workdir: str) -> None:

@@ -12,6 +12,7 @@ figures (``evaluation/report.py``, ``evaluation/study_report.py``).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -116,6 +117,13 @@ class Study:
     return child_config(name, self.variant,
                         self.config.overrides.get(name, ()), **fields)
 
+  @functools.cached_property
+  def eval_settings(self):
+    """What evaluates every model: the settings a run lacks (an imported
+    base has no data or sampling sections) and the precision, from the
+    study's own variant."""
+    return self.child_config("mix_rl", init=self.base)
+
   def child(self, label: str, name: str, workdir: str, **fields) -> None:
     """Train (or resume) one run, unless it is finished."""
     if os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
@@ -181,11 +189,9 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
     return
   if not os.path.exists(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    # What a run lacks (an imported base has no data or sampling
-    # settings) and the precision come from the study's own variant.
     evaluate_run(run_dir, c.num_prompts, list(study.eval_domains),
                  output=path, samples=c.samples,
-                 settings=study.child_config("mix_rl", init=study.base))
+                 settings=study.eval_settings)
 
 
 # Minutes each kind of task took in the default study on the 2-core CPU
