@@ -4,7 +4,8 @@
     # on an accelerator: Qwen3-0.6B's shape in bfloat16, remat, blocked
     # attention, against the device's datasheet peak
     python experiments/bench_step.py --preset=qwen3_0p6b --rows=16 \
-        --length=2048 --remat --chunk=512 --peak_tflops=989
+        --length=2048 --remat --chunk=512 --peak_tflops=989 \
+        [--attention=cudnn|splash]
 
 Prints, all measured in this one process:
 * the train step's tokens/s and model-FLOPs utilisation (MFU) against the
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mopd_jax import config as config_lib
-from mopd_jax.models import decoder
+from mopd_jax.models import attention_kernels, decoder
 from mopd_jax.models.config import PRESETS, ModelConfig
 from mopd_jax.objectives.sft import sft_loss
 from mopd_jax.rollout import sampler
@@ -117,13 +118,18 @@ def main(argv=None):
   parser.add_argument("--remat", action="store_true")
   parser.add_argument("--chunk", type=int, default=0,
                       help="blocked attention over this many keys")
+  parser.add_argument("--attention", default="xla",
+                      choices=attention_kernels.IMPLS,
+                      help="who computes attention without a cache")
   args = parser.parse_args(argv)
   cfg = dataclasses.replace(PRESETS[args.preset], remat=args.remat,
                             attention_chunk=args.chunk,
+                            attention_impl=args.attention,
                             dtype=args.dtype or PRESETS[args.preset].dtype)
   print(f"backend={jax.default_backend()} devices={jax.device_count()}"
         f" preset={args.preset} params={cfg.num_params():,} dtype={cfg.dtype}"
-        f" remat={cfg.remat} chunk={cfg.attention_chunk}")
+        f" remat={cfg.remat} chunk={cfg.attention_chunk}"
+        f" attention={cfg.attention_impl}")
   peak = (args.peak_tflops * 1e12 if args.peak_tflops
           else matmul_peak(args.peak_size, cfg.dtype))
   tok_s, flops, mfu = bench_train(cfg, args.rows, args.length, peak)

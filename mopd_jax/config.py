@@ -23,6 +23,7 @@ from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import merge
 from mopd_jax.objectives import grpo, opd
 from mopd_jax.ops import vocab
+from mopd_jax.models import attention_kernels
 from mopd_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from mopd_jax.rollout.sampler import SamplingConfig
 
@@ -124,6 +125,8 @@ _COMMON_CHECKS: Checks = (
     ("model.param_dtype", lambda v: v in ("float32", "bfloat16"),
      "float32 or bfloat16"),
     ("model.attention_chunk", _non_negative, ">= 0 (0: dense attention)"),
+    ("model.attention_impl", lambda v: v in attention_kernels.IMPLS,
+     " or ".join(attention_kernels.IMPLS)),
     ("init", lambda v: bool(v), "the workdir of the run to start from"),
     ("data.domains", *_DOMAIN_TUPLE),
     ("data.weights", lambda v: all(w >= 0 for w in v) and (
@@ -609,6 +612,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError("model.num_kv_heads: must divide model.num_heads"
                       f" ({full.model.num_heads}), got"
                       f" {full.model.num_kv_heads}")
+  if _has(full, "model.attention_impl") and (
+      full.model.attention_impl == "cudnn" and full.model.dtype != "bfloat16"):
+    raise ConfigError("model.attention_impl: cudnn needs model.dtype="
+                      "bfloat16 (cuDNN's flash attention has no float32)")
   if _has(full, "data.weights") and full.data.weights and len(
       full.data.weights) != len(full.data.domains):
     raise ConfigError(

@@ -16,6 +16,10 @@ class ModelConfig:
   compute; values and gradients unchanged). ``attention_chunk`` > 0 attends
   over blocks of that many keys with an online softmax (``decoder.attend``):
   memory linear in the length instead of quadratic, the same values.
+  ``attention_impl`` chooses who computes attention when there is no KV
+  cache (training and scoring): ``xla`` (``decoder.attend``), ``splash``
+  (the Pallas TPU kernel, blocks of ``attention_chunk`` or 512) or
+  ``cudnn`` (cuDNN's flash attention on GPU); see ``attention_kernels``.
   """
   vocab_size: int = 58
   embed_dim: int = 128
@@ -33,6 +37,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   attention_chunk: int = 0
+  attention_impl: str = "xla"
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -68,7 +73,7 @@ class ModelConfig:
 
 # Fields that change how a model is computed, not what: runs that differ in
 # them share parameters, resume each other and combine entry by entry.
-EXECUTION_FIELDS = ("remat", "attention_chunk", "dtype")
+EXECUTION_FIELDS = ("remat", "attention_chunk", "attention_impl", "dtype")
 
 def with_execution(cfg: ModelConfig, like: ModelConfig) -> ModelConfig:
   """``cfg``'s architecture computed as ``like`` says (its

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mopd_jax import parallel
+from mopd_jax.models import attention_kernels
 from mopd_jax.models.config import ModelConfig
 
 Params = Any
@@ -401,8 +402,12 @@ def _layer(cfg: ModelConfig, x, p, positions, span, kv_cache, index):
     kv_cache = (k_cache, v_cache)
   else:
     k_all, v_all = k, v
-  attn = attend(q, k_all, v_all, span, cfg.attention_chunk,
-               None if index is None else index + q.shape[1])
+  if kv_cache is None and cfg.attention_impl != "xla":
+    attn = attention_kernels.attend(q, k, v, span.q_segments,
+                                    cfg.attention_impl, cfg.attention_chunk)
+  else:
+    attn = attend(q, k_all, v_all, span, cfg.attention_chunk,
+                  None if index is None else index + q.shape[1])
   x = x + jnp.einsum("bthk,hkd->btd", attn, p["o"].astype(dt))
   x = parallel.constrain(x, ("batch", "length", "embed"))
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)

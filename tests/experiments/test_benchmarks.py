@@ -19,9 +19,11 @@ def test_bench_step_smoke():
   # The accelerator settings: bfloat16, remat, blocked attention.
   result = _run("bench_step.py", "--preset=micro", "--rows=2", "--length=8",
                 "--decode_batch=2", "--prompt_len=4", "--new_tokens=2",
-                "--peak_size=64", "--dtype=bfloat16", "--remat", "--chunk=4")
+                "--peak_size=64", "--dtype=bfloat16", "--remat", "--chunk=4",
+                "--attention=cudnn")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "dtype=bfloat16 remat=True chunk=4" in result.stdout
+  assert ("dtype=bfloat16 remat=True chunk=4 attention=cudnn"
+          in result.stdout)
   for line in ("train step", "decode, KV cache", "cache speed-up"):
     assert line in result.stdout, line
 
