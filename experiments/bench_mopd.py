@@ -1,6 +1,7 @@
 """Benchmark: one MOPD step against TRL's ``DistillationTrainer``.
 
     python experiments/bench_mopd.py [--steps=8] [--out=runs/bench_mopd]
+        [--cpu_devices=2]
 
 The same model on both sides (the built-in architecture, near its random
 initialisation; TRL's through ``models.hf``): the student samples 32
@@ -51,7 +52,8 @@ def near_random_base(out: str, data_dir: str, model: list[str]) -> str:
   return base
 
 
-def ours(out: str, base: str, data_dir: str, domains, steps: int) -> dict:
+def ours(out: str, base: str, data_dir: str, domains, steps: int,
+         cpu_devices: int) -> dict:
   """Median seconds per MOPD step and completion tokens per step."""
   workdir = os.path.join(out, f"mopd_{len(domains)}_{domains[0]}")
   teachers = ",".join(f"{d}={base}" for d in domains)
@@ -65,6 +67,7 @@ def ours(out: str, base: str, data_dir: str, domains, steps: int) -> dict:
         f"--config.train.steps={steps}", "--config.train.log_every=1",
         "--config.train.eval_every=0", "--config.eval.num_prompts=8",
         f"--config.checkpoint.every={steps}",
+        f"--config.mesh.cpu_devices={cpu_devices}",
         f"--config.data.data_dir={data_dir}")
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
@@ -147,6 +150,8 @@ def main():
   parser.add_argument("--model", default="",
                       help="the base's model overrides, e.g."
                       " 'embed_dim=32,num_layers=1'")
+  parser.add_argument("--cpu_devices", type=int, default=1,
+                      help="our runs' mesh.cpu_devices")
   parser.add_argument("--json", default="", help="also write figures here")
   args = parser.parse_args()
   out = os.path.abspath(args.out)
@@ -159,7 +164,7 @@ def main():
   for n in counts:
     figures[f"ours_{n}_teachers"] = ours(
         out, base, data_dir, ("chain",) if n == 1 else DOMAINS[:n],
-        args.steps)
+        args.steps, args.cpu_devices)
   for name, f in figures.items():
     f["ms_per_token"] = 1e3 * f["seconds"] / f["tokens"]
     print(f"{name:16s} {f['seconds']:7.3f} s/step  {f['tokens']:6.0f}"

@@ -1,7 +1,7 @@
 """Benchmark: the sampler against transformers' ``generate`` on one model.
 
     python experiments/bench_sampler.py [--size=default|large|long]
-        [--repeats=5] [--chunk=64]
+        [--repeats=5] [--chunk=64] [--cpu_devices=2]
 
 Both sample the same Llama-shaped model (our random parameters, converted
 with ``models.hf``) at temperature 1 with no top-k / top-p and no early
@@ -15,6 +15,9 @@ untied) at batch 128, 24 + 48 tokens; ``large`` is d=512, 8 layers,
 vocabulary 32k at batch 32, 64 + 64; ``long`` the default model at batch
 32, 64 + 448 (512 cache slots). ``--chunk`` gives our model blocked
 attention, whose decode reads only the filled part of the cache.
+``--cpu_devices`` splits a CPU host into that many devices
+(``mesh.cpu_devices``), ours sampling its rows split over them (a data
+mesh); transformers keeps its own threads over every core.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mopd_jax import parallel
 from mopd_jax.models import decoder, hf
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.rollout import sampler
@@ -45,12 +49,19 @@ SIZES = {
 
 
 def ours(params, cfg, prompt, new: int):
-  """A blocking ``sampler.sample`` call (a new key each call)."""
+  """A blocking ``sampler.sample`` call (a new key each call), the rows
+  split over every device."""
   mask = jnp.ones_like(prompt)
   sampling = sampler.SamplingConfig(max_new_tokens=new, eos_id=-1)
   keys = iter(jax.random.split(jax.random.key(1), 1000))
-  return lambda: jax.block_until_ready(sampler.sample(
-      params, cfg, prompt, mask, next(keys), sampling))
+  mesh = parallel.make_mesh()
+  params = jax.device_put(params, parallel.replicated(mesh))
+
+  def run():
+    with parallel.use_rules("dp"), parallel.activate(mesh):
+      return jax.block_until_ready(sampler.sample(
+          params, cfg, prompt, mask, next(keys), sampling))
+  return run
 
 
 def transformers_generate(params, cfg, prompt, new: int):
@@ -82,7 +93,10 @@ def main():
   parser.add_argument("--json", default="", help="also write figures here")
   parser.add_argument("--chunk", type=int, default=0,
                       help="our model's attention_chunk (0: dense)")
+  parser.add_argument("--cpu_devices", type=int, default=1,
+                      help="split the CPU into this many devices")
   args = parser.parse_args()
+  parallel.use_cpu_devices(args.cpu_devices)
   cfg, batch, prompt_len, new = SIZES[args.size]
   cfg = dataclasses.replace(cfg, attention_chunk=args.chunk)
   batch = args.batch or batch
@@ -90,7 +104,8 @@ def main():
   prompt = jax.random.randint(jax.random.key(2), (batch, prompt_len), 3,
                               cfg.vocab_size)
   tokens = batch * new
-  print(f"backend={jax.default_backend()} size={args.size}"
+  print(f"backend={jax.default_backend()} devices={jax.device_count()}"
+        f" size={args.size}"
         f" params={cfg.num_params():,} batch={batch} prompt={prompt_len}"
         f" new={new} {json.dumps(dataclasses.asdict(cfg))}")
   ours_s, theirs_s = interleaved(

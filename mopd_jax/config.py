@@ -62,6 +62,15 @@ def _model(fields=None) -> ml_collections.ConfigDict:
       {k: v for k, v in values.items() if fields is None or k in fields})
 
 
+def _mesh() -> ml_collections.ConfigDict:
+  """Device mesh (one size may be -1: the rest of the devices), the
+  logical-axis rule set (fsdp_tp | fsdp | dp, see mopd_jax/parallel.py) and
+  how many devices a host without an accelerator is split into
+  (``parallel.use_cpu_devices``)."""
+  return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
+                                        rules="fsdp_tp", cpu_devices=1))
+
+
 def _sampling(**overrides) -> ml_collections.ConfigDict:
   fields = dataclasses.asdict(SamplingConfig())
   for special in ("eos_id", "pad_id"):  # taken from the tokenizer
@@ -97,10 +106,7 @@ def _common(method: str, init: bool) -> ml_collections.ConfigDict:
   c.sampling = _sampling()
   c.eval = ml_collections.ConfigDict(dict(
       num_prompts=256, batch_size=128, temperature=1.0, greedy=True))
-  # Device mesh (one size may be -1: the rest of the devices) and the
-  # logical-axis rule set: fsdp_tp | fsdp | dp (see mopd_jax/parallel.py).
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
-                                          rules="fsdp_tp"))
+  c.mesh = _mesh()
   # Multi-host runs: jax.distributed.initialize when enabled (or when the
   # JAX_COORDINATOR_ADDRESS environment variable is set); empty or negative
   # fields are detected (TPU pods, SLURM) or read from JAX_NUM_PROCESSES and
@@ -142,6 +148,7 @@ _COMMON_CHECKS: Checks = (
     ("eval.num_prompts", _positive, "> 0"),
     ("eval.batch_size", _positive, "> 0"),
     ("eval.temperature", _non_negative, ">= 0"),
+    ("mesh.cpu_devices", _positive, "> 0"),
     ("mesh.rules", lambda v: v in parallel.RULE_SETS,
      " or ".join(parallel.RULE_SETS)),
     ("distributed.num_processes", _non_negative, ">= 0 (0: detected)"),
@@ -400,8 +407,7 @@ def _study() -> ml_collections.ConfigDict:
   # the final evaluation of every model: test prompts per domain, and
   # samples per prompt at temperature 1 (pass@k up to k = samples)
   c.eval = ml_collections.ConfigDict(dict(num_prompts=480, samples=4))
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
-                                          rules="fsdp_tp"))
+  c.mesh = _mesh()
   c.distributed = ml_collections.ConfigDict(dict(
       enabled=False, coordinator_address="", num_processes=0, process_id=-1))
   return c

@@ -206,7 +206,8 @@ def setup(config, tokenizer=None):
   if not tokenizer.fits(model_cfg.vocab_size):
     raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size} does not"
                       f" fit the tokenizer's {tokenizer.vocab_size} ids")
-  mesh = parallel.make_mesh(**config.mesh)
+  mesh = parallel.make_mesh(config.mesh.data, config.mesh.fsdp,
+                            config.mesh.tensor, rules=config.mesh.rules)
   return tokenizer, model_cfg, mesh
 
 

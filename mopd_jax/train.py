@@ -23,6 +23,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main() -> None:
   config = config_lib.validate(cli.config_value(_CONFIG, "config"))
   # Once per process, before anything touches a device.
+  parallel.use_cpu_devices(config.mesh.cpu_devices)
   parallel.init_distributed(config.distributed)
   stages.run(config, _WORKDIR.value)
 

@@ -352,8 +352,9 @@ def run_loop(workdir: str, state: Any, step_fn: StepFn, total_steps: int,
 def write_summary(workdir: str, step: int, params: Any, **extra) -> dict:
   """Write and return ``<workdir>/summary.json``: the final ``step``, the
   ``params_sha256`` of the final parameters (``checksum.tree_checksum``),
-  ``metrics``, the last logged value of every metric except timings, and
-  the ``extra`` entries that are not None. Two runs with equal summaries
+  ``metrics``, the last logged value of every metric except timings, the
+  number of ``devices`` it ran on, and the ``extra`` entries that are not
+  None. Two runs with equal summaries
   ended with bit-identical parameters. Stages without a step loop (no
   metrics.jsonl) call it too."""
   final: dict = {}
@@ -364,7 +365,7 @@ def write_summary(workdir: str, step: int, params: Any, **extra) -> dict:
   for key in ("step", *_TIMINGS):
     final.pop(key, None)
   summary = dict(step=step, params_sha256=tree_checksum(params),
-                 metrics=final,
+                 metrics=final, devices=jax.device_count(),
                  **{k: v for k, v in extra.items() if v is not None})
   write_json_atomic(os.path.join(workdir, SUMMARY_FILE), summary)
   return summary

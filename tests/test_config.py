@@ -34,6 +34,7 @@ def test_defaults_validate_and_fill_missing_fields():
     (lambda c: c.train.__setattr__("max_consecutive_skips", 0),
      "train.max_consecutive_skips"),
     (lambda c: c.sampling.__setattr__("top_p", 1.5), "sampling.top_p"),
+    (lambda c: c.mesh.__setattr__("cpu_devices", 0), "mesh.cpu_devices"),
     (lambda c: c.model.__setattr__("num_kv_heads", 3), "model.num_kv_heads"),
     (lambda c: c.model.__setattr__("head_dim", 15), "model.head_dim"),
     (lambda c: c.model.__setattr__("attention_impl", "flash"),

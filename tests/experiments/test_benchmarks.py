@@ -37,8 +37,9 @@ def test_bench_ops_smoke():
 def test_bench_sampler_smoke(tmp_path):
   out = tmp_path / "sampler.json"
   result = _run("bench_sampler.py", "--size=smoke", "--repeats=1", "--chunk=4",
-                f"--json={out}")
+                "--cpu_devices=2", f"--json={out}")
   assert result.returncode == 0, result.stderr[-3000:]
+  assert "devices=2" in result.stdout
   assert result.stdout.strip().splitlines()[-1].startswith(
       "ratio (sampler / generate)")
   figures = json.loads(out.read_text())
@@ -49,7 +50,7 @@ def test_bench_mopd_smoke(tmp_path, data_dir, smoke_run):
   out = tmp_path / "mopd.json"
   result = _run("bench_mopd.py", "--steps=3", f"--out={tmp_path / 'runs'}",
                 f"--data_dir={data_dir}", f"--json={out}",
-                f"--base={smoke_run[0]}", "--teachers=2")
+                f"--base={smoke_run[0]}", "--teachers=2", "--cpu_devices=2")
   assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
   assert "ratio per completion token (TRL / ours)" in (
       result.stdout.strip().splitlines()[-1])
@@ -57,3 +58,6 @@ def test_bench_mopd_smoke(tmp_path, data_dir, smoke_run):
   for name in ("trl_1_teacher", "ours_2_teachers"):
     assert figures[name]["seconds"] > 0 and figures[name]["tokens"] > 0
   assert figures["ratio"]["2"] > 0
+  summary = json.loads((tmp_path / "runs" / "mopd_2_add" / "summary.json"
+                        ).read_text())
+  assert summary["devices"] == 2  # mesh.cpu_devices, not the 8 of XLA_FLAGS
