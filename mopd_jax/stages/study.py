@@ -107,7 +107,10 @@ class Study:
 
   def child_config(self, name: str, **fields):
     """``configs/<name>.py`` as this study runs it: its variant, its
-    overrides, the study's data directory and domains, and ``fields``."""
+    overrides, the study's data directory, domains and mesh, and
+    ``fields``."""
+    for key, value in self.config.mesh.items():
+      fields[f"mesh.{key}"] = value
     if self.config.data_dir:
       fields["data.data_dir"] = self.config.data_dir
     if self.config.domains:

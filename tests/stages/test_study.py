@@ -92,7 +92,8 @@ def test_rerun_skips_finished_steps(study, data_dir, cached_env, smoke_run):
 def test_a_study_on_file_domains(tmp_path, data_dir, cached_env, smoke_run):
   """The study on two of the user's own math files from a given base:
   GRPO experts (in folders named by kind and file), Merge, every model
-  evaluated on those domains alone, the report."""
+  evaluated on those domains alone, the report; its mesh (the CPU split
+  into 2 devices) is every child run's."""
   names = ["math:" + math_file(tmp_path / "sums.jsonl", 400),
            "math:" + math_file(tmp_path / "diffs.jsonl", 400, op="-")]
   workdir = tmp_path / "study"
@@ -100,11 +101,16 @@ def test_a_study_on_file_domains(tmp_path, data_dir, cached_env, smoke_run):
                      f"--workdir={workdir}", f"--config.base={smoke_run[0]}",
                      f"--config.domains={tuple(names)!r}",
                      "--config.steps=('experts','merge','evaluate','report')",
+                     "--config.mesh.cpu_devices=2",
                      f"--config.data_dir={data_dir}", env=cached_env,
                      timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.loads((workdir / "results.json").read_text())
   assert results["domains"] == names and results["held_out"] == []
+  expert = workdir / "expert_math_sums"
+  assert json.loads((expert / "config.json").read_text())["mesh"][
+      "cpu_devices"] == 2
+  assert json.loads((expert / "summary.json").read_text())["devices"] == 2
   assert set(results["methods"]) == {"base", f"expert/{names[0]}",
                                      f"expert/{names[1]}", "merge/ties",
                                      "oracle"}
