@@ -12,10 +12,9 @@ import math
 import os
 from typing import Mapping
 
-from tensorboardX import SummaryWriter
-
 from mopd_jax.atomic import write_text_atomic
 from mopd_jax.parallel import is_primary
+from mopd_jax.tb_events import EventFileWriter
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -31,8 +30,7 @@ class MetricWriter:
     self._active = is_primary()
     if self._active:
       self._jsonl = open(self.path, "a", encoding="utf-8")
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"),
-                               purge_step=purge_step)
+      self._tb = EventFileWriter(os.path.join(workdir, "tb"), purge_step)
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     if not self._active:
@@ -42,8 +40,7 @@ class MetricWriter:
     line = {k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}
     self._jsonl.write(json.dumps({"step": int(step), **line}) + "\n")
     self._jsonl.flush()
-    for k, v in clean.items():
-      self._tb.add_scalar(k, v, int(step))
+    self._tb.write(int(step), clean)
 
   def close(self) -> None:
     if not self._active:
