@@ -23,6 +23,10 @@ from mopd_jax.models.config import ModelConfig
 from mopd_jax.objectives.sft import make_train_step
 from mopd_jax.rollout import sampler
 
+# Its module-scoped fixture is built once: every test of the module on one
+# pytest-xdist worker (--dist=loadgroup).
+pytestmark = pytest.mark.xdist_group("parallel")
+
 CFG = ModelConfig(vocab_size=40, embed_dim=32, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, mlp_dim=64)
 OPT = optax.adamw(1e-2, weight_decay=0.1)

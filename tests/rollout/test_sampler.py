@@ -9,6 +9,10 @@ from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.rollout import sampler
 
+# Its module-scoped fixture is built once: every test of the module on one
+# pytest-xdist worker (--dist=loadgroup).
+pytestmark = pytest.mark.xdist_group("sampler")
+
 CFG = ModelConfig(vocab_size=30, embed_dim=32, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, mlp_dim=64)
 EOS = 2

@@ -16,6 +16,10 @@ from mopd_jax import parallel, runs
 from mopd_jax.checkpointing import Checkpointer
 from mopd_jax.evaluation import geometry
 
+# Its module-scoped fixture is built once: every test of the module on one
+# pytest-xdist worker (--dist=loadgroup).
+pytestmark = pytest.mark.xdist_group("merge_stage")
+
 DOMAINS = ("add", "chain", "instruct", "sort")
 
 

@@ -10,6 +10,10 @@ from conftest import ROOT, math_file, run_notebook, train_cli
 from mopd_jax.evaluation import report
 from mopd_jax.stages import study as study_stage
 
+# Its module-scoped fixture is built once: every test of the module on one
+# pytest-xdist worker (--dist=loadgroup).
+pytestmark = pytest.mark.xdist_group("study")
+
 MODELS = ("base", "expert/add", "expert/chain", "expert/instruct",
           "expert/sort", "merge/ties", "mix_rl",
           "mopd", "open_mopd", "oracle")
