@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mopd_jax import config as config_lib
-from mopd_jax.models import attention_kernels, decoder
-from mopd_jax.models.config import PRESETS, ModelConfig
+from mopd_jax.models import decoder
+from mopd_jax.models.config import ATTENTION_IMPLS, PRESETS, ModelConfig
 from mopd_jax.objectives.sft import sft_loss
 from mopd_jax.rollout import sampler
 from mopd_jax.training import make_optimizer, init_state
@@ -119,7 +119,7 @@ def main(argv=None):
   parser.add_argument("--chunk", type=int, default=0,
                       help="blocked attention over this many keys")
   parser.add_argument("--attention", default="xla",
-                      choices=attention_kernels.IMPLS,
+                      choices=ATTENTION_IMPLS,
                       help="who computes attention without a cache")
   args = parser.parse_args(argv)
   cfg = dataclasses.replace(PRESETS[args.preset], remat=args.remat,

@@ -23,8 +23,8 @@ from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import merge
 from mopd_jax.objectives import grpo, opd
 from mopd_jax.ops import vocab
-from mopd_jax.models import attention_kernels
-from mopd_jax.models.config import EXECUTION_FIELDS, ModelConfig
+from mopd_jax.models.config import (ATTENTION_IMPLS, EXECUTION_FIELDS,
+                                    ModelConfig)
 from mopd_jax.rollout.sampler import SamplingConfig
 
 ALL_DOMAINS = tuple(DOMAINS)
@@ -65,8 +65,9 @@ def _model(fields=None) -> ml_collections.ConfigDict:
 def _mesh() -> ml_collections.ConfigDict:
   """Device mesh (one size may be -1: the rest of the devices), the
   logical-axis rule set (fsdp_tp | fsdp | dp, see mopd_jax/parallel.py) and
-  how many devices a host without an accelerator is split into
-  (``parallel.use_cpu_devices``)."""
+  how many devices a host without an accelerator is split into at the
+  start of ``train`` (``parallel.use_cpu_devices``; 1 leaves the host as
+  it is)."""
   return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
                                         rules="fsdp_tp", cpu_devices=1))
 
@@ -131,8 +132,8 @@ _COMMON_CHECKS: Checks = (
     ("model.param_dtype", lambda v: v in ("float32", "bfloat16"),
      "float32 or bfloat16"),
     ("model.attention_chunk", _non_negative, ">= 0 (0: dense attention)"),
-    ("model.attention_impl", lambda v: v in attention_kernels.IMPLS,
-     " or ".join(attention_kernels.IMPLS)),
+    ("model.attention_impl", lambda v: v in ATTENTION_IMPLS,
+     " or ".join(ATTENTION_IMPLS)),
     ("init", lambda v: bool(v), "the workdir of the run to start from"),
     ("data.domains", *_DOMAIN_TUPLE),
     ("data.weights", lambda v: all(w >= 0 for w in v) and (

@@ -47,7 +47,8 @@ _SETTINGS = config_flags.DEFINE_config_file(
     "settings", None, "A config (e.g. configs/mix_rl.py:hf) whose seed,"
     " data, sampling, eval and mesh sections evaluate a run that has none"
     " (an imported checkpoint), and whose execution fields (model.dtype,"
-    " remat, attention_chunk) any run is computed with; overrides as"
+    " remat, attention_chunk, attention_impl) any run is computed with;"
+    " overrides as"
     " --settings.data.max_prompt_len=1024.", lock_config=True)
 flags.mark_flags_as_required(["run"])
 
@@ -151,6 +152,9 @@ def main() -> None:
     if "init" in settings:  # the run evaluated is the one it starts from
       settings.init = _RUN.value
     settings = config_lib.validate(settings)
+  # Before anything touches a device, as in train.
+  parallel.use_cpu_devices(
+      run_settings(_RUN.value, settings).mesh.get("cpu_devices", 1))
   evaluate_run(_RUN.value, _NUM_PROMPTS.value, _DOMAINS.value, _OUTPUT.value,
                _SAMPLES.value, settings)
 

@@ -105,7 +105,7 @@ def resolve_model(config) -> None:
   """Give a stage that starts from ``config.init`` that run's architecture
   (the ``model`` section comes with the weights), so its own config.json
   names the model too; how it is computed (``EXECUTION_FIELDS``: bfloat16,
-  remat, blocked attention) stays this run's choice. The run must share
+  remat, blocked attention, the attention kernel) stays this run's choice. The run must share
   this run's token ids."""
   if "init" in config and config.init:
     run_config = load_run_config(config.init)
@@ -207,7 +207,13 @@ def setup(config, tokenizer=None):
     raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size} does not"
                       f" fit the tokenizer's {tokenizer.vocab_size} ids")
   mesh = parallel.make_mesh(config.mesh.data, config.mesh.fsdp,
-                            config.mesh.tensor, rules=config.mesh.rules)
+                            config.mesh.tensor, rules=config.mesh.get("rules"))
+  count = config.mesh.get("cpu_devices", 1)
+  if (count > 1 and jax.default_backend() == "cpu"
+      and jax.device_count() != count):
+    raise ConfigError(f"mesh.cpu_devices: {count} takes effect when a"
+                      " process starts (python -m mopd_jax.train or"
+                      f" evaluate); this one has {jax.device_count()}")
   return tokenizer, model_cfg, mesh
 
 

@@ -11,12 +11,15 @@ installed: a second of start-up for each process).
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import socket
 import struct
 import time
 
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, bit-reversed
+_FILES = itertools.count()  # this process's event files
 
 
 def _crc_table() -> list[int]:
@@ -54,6 +57,8 @@ def record(data: bytes) -> bytes:
 
 
 def _varint(n: int) -> bytes:
+  """Base-128 varint; a negative int64 as its two's complement."""
+  n &= (1 << 64) - 1
   out = bytearray()
   while True:
     low, n = n & 0x7F, n >> 7
@@ -79,11 +84,21 @@ def event(step: int, *, wall_time: float, file_version: str = "",
     out += _field(3, file_version.encode())
   if scalars:
     out += _field(5, b"".join(
-        _field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", value))
+        _field(1, _field(1, tag.encode()) + b"\x15"
+               + struct.pack("<f", _float32(value)))
         for tag, value in scalars.items()))
   if session_start:
     out += _field(7, b"\x08\x01")
   return out
+
+
+def _float32(value: float) -> float:
+  """``value``, or +-inf beyond float32's range (``struct`` refuses it)."""
+  return math.copysign(math.inf, value) if (
+      math.isfinite(value) and abs(value) > _FLOAT32_MAX) else value
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class EventFileWriter:
@@ -96,7 +111,7 @@ class EventFileWriter:
     os.makedirs(logdir, exist_ok=True)
     now = time.time()
     name = (f"events.out.tfevents.{int(now)}.{socket.gethostname()}"
-            f".{os.getpid()}")
+            f".{os.getpid()}.{next(_FILES)}")
     self._file = open(os.path.join(logdir, name), "ab")
     self._file.write(record(event(purge_step or 0, wall_time=now,
                                   file_version="brain.Event:2")))

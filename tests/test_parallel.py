@@ -195,6 +195,15 @@ def test_distributed_start_from_config_or_environment(monkeypatch):
                            process_id=None)
 
 
+def test_cpu_devices_not_in_effect_is_one_line():
+  """A config asking for 2 CPU devices in a process that has 8 (the split
+  happens only at a process's start) is refused, not silently ignored."""
+  config = config_lib.defaults("pretrain")
+  config.mesh.cpu_devices = 2
+  with pytest.raises(ConfigError, match="mesh.cpu_devices: 2 takes effect"):
+    runs.setup(config_lib.validate(config))
+
+
 def test_config_checks_the_rule_set():
   config = config_lib.defaults("pretrain")
   config.mesh.rules = "zero3"

@@ -65,9 +65,18 @@ def test_metric_writer_events_decode_as_written(tmp_path):
 
 
 def test_without_purge_step_no_session_log(tmp_path):
+  """And the edges: a negative step (int64 two's complement), a value
+  beyond float32 (inf, as tensorboardX writes it), a second writer of the
+  same process in the same second (a file of its own)."""
   writer = tb_events.EventFileWriter(str(tmp_path))
-  writer.write(3, {"x": 1.0})
+  writer.write(-3, {"x": 1.0, "big": -1e39})
   writer.close()
-  (path,) = glob.glob(os.path.join(tmp_path, "events.out.tfevents.*"))
-  events = _records(path)
+  tb_events.EventFileWriter(str(tmp_path)).close()
+  first, second = sorted(glob.glob(os.path.join(tmp_path, "events.*")),
+                         key=os.path.getsize, reverse=True)
+  events = _records(first)
   assert [e.WhichOneof("what") for e in events] == ["file_version", "summary"]
+  assert events[1].step == -3
+  assert {v.tag: v.simple_value for v in events[1].summary.value} == {
+      "x": 1.0, "big": -math.inf}
+  assert len(_records(second)) == 1

@@ -20,28 +20,24 @@ heads), through ``shard_map``: XLA cannot partition a custom kernel itself.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_kernel as splash,
-    splash_attention_mask as splash_mask,
-)
 from jax.sharding import PartitionSpec as P
 
 from mopd_jax import parallel
 
-IMPLS = ("xla", "splash", "cudnn")
-# Splash's query and key blocks: the lane width of a TPU's vector unit
-# divides them; longer blocks (up to ``attention_chunk``) for long rows.
+# Splash's query and key blocks are multiples of the lane width of a TPU's
+# vector unit (its kernel refuses others).
 _LANES = 128
 
 
 def attend(q, k, v, segments, impl: str, block: int = 0):
   """Attention of ``q`` [B, T, H, d] over ``k``, ``v`` [B, K, T, d] (K
   key/value heads shared by H / K query heads each) with segment ids
-  ``segments`` [B, T]; ``block``: splash's block length (0: 512)."""
+  ``segments`` [B, T]; ``impl``: ``splash`` or ``cudnn``; ``block``:
+  splash's block length (0: 512; rounded up to a multiple of 128)."""
   fn = {"splash": functools.partial(_splash, block=block or 512),
         "cudnn": _dot_product}[impl]
   mesh = jax.sharding.get_abstract_mesh()
@@ -58,9 +54,19 @@ def attend(q, k, v, segments, impl: str, block: int = 0):
 
 def _splash(q, k, v, segments, block: int):
   """Splash attention, one batch row at a time (``vmap``); rows padded
-  to a multiple of the block length with segment 0."""
+  to a multiple of the block length with segment 0. Off TPU the kernel
+  runs in Pallas's interpreter: right, and far slower than ``xla``."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_kernel as splash,
+      splash_attention_mask as splash_mask,
+  )
+  interpret = jax.default_backend() != "tpu"
+  if interpret:
+    warnings.warn("attention_impl=splash off TPU runs in Pallas's"
+                  " interpreter (slow: meant for tests)", stacklevel=2)
   B, T, H, d = q.shape
-  bq = min(block, -(-T // _LANES) * _LANES)
+  lanes = lambda n: -(-n // _LANES) * _LANES  # noqa: E731
+  bq = min(lanes(block), lanes(T))
   pad = -(-T // bq) * bq - T
   length = T + pad
   mask = splash_mask.MultiHeadMask(
@@ -70,9 +76,9 @@ def _splash(q, k, v, segments, block: int):
       block_kv_dkv=bq, block_kv_dkv_compute=bq, block_q_dq=bq, block_kv_dq=bq)
   kernel = splash.make_splash_mha(
       mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-      interpret=jax.default_backend() != "tpu")
+      interpret=interpret)
   seg = jnp.pad(segments, ((0, 0), (0, pad)))
-  q = jnp.pad(q * np.asarray(d ** -0.5, q.dtype),
+  q = jnp.pad((q.astype(jnp.float32) * d ** -0.5).astype(q.dtype),
               ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
   k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (k, v))
   out = jax.vmap(lambda q, k, v, s: kernel(
@@ -82,11 +88,12 @@ def _splash(q, k, v, segments, block: int):
 
 def _dot_product(q, k, v, segments):
   """``jax.nn.dot_product_attention``: cuDNN on GPU, XLA elsewhere; the
-  segment mask becomes cuDNN's additive bias."""
+  segment mask becomes cuDNN's additive bias, ``is_causal`` lets cuDNN
+  skip the blocks above the diagonal."""
   T = q.shape[1]
   mask = (segments[:, :, None] == segments[:, None, :]) & jnp.tril(
       jnp.ones((T, T), bool))
   return jax.nn.dot_product_attention(
       q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-      mask=mask[:, None],
+      mask=mask[:, None], is_causal=True,
       implementation="cudnn" if jax.default_backend() == "gpu" else "xla")

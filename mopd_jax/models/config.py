@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 
+# Who computes attention without a KV cache (``decoder._layer``).
+ATTENTION_IMPLS = ("xla", "splash", "cudnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Static description of a decoder; hashable so it can be a jit static arg.
@@ -40,6 +44,9 @@ class ModelConfig:
   attention_impl: str = "xla"
 
   def __post_init__(self):
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl={self.attention_impl!r} is not one"
+                       f" of {ATTENTION_IMPLS}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of"

@@ -236,11 +236,12 @@ def test_chunked_attention_equals_dense_with_gradients(chunk):
     np.testing.assert_allclose(blocked_g, dense_g, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:attention_impl=splash off TPU")
 @pytest.mark.parametrize("impl", ["splash", "cudnn"])
 def test_attention_kernels_equal_dense_with_gradients(impl):
   """The kernel backends (splash in Pallas's interpreter, the XLA path of
   the call that is cuDNN on GPU) give dense attention's outputs and
-  gradients on the real rows, to 1e-5; and the same under a data x tensor
+  gradients on the real rows, to 1e-5; and the same values under a data x tensor
   mesh, each device running the kernel on its own rows and heads."""
   (q, k, v), span, valid, dense_loss = _packed_case()
 
@@ -249,9 +250,10 @@ def test_attention_kernels_equal_dense_with_gradients(impl):
         attention_kernels.attend(q, k, v, span.q_segments, impl), valid)
 
   dense = decoder.attend(q, k, v, span, 0) * valid
-  np.testing.assert_allclose(
-      attention_kernels.attend(q, k, v, span.q_segments, impl) * valid,
-      dense, atol=1e-5)
+  for block in (0, 100):  # splash rounds 100 up to a multiple of 128
+    np.testing.assert_allclose(
+        attention_kernels.attend(q, k, v, span.q_segments, impl, block)
+        * valid, dense, atol=1e-5)
   ref = jax.grad(dense_loss, argnums=(0, 1, 2))(q, k, v, 0)
   for g, r in zip(jax.grad(loss, argnums=(0, 1, 2))(q, k, v), ref):
     np.testing.assert_allclose(g, r, atol=1e-5)

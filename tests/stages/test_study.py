@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from conftest import ROOT, math_file, run_notebook, train_cli
+from conftest import ROOT, load_config, math_file, run_notebook, train_cli
+from mopd_jax import config as config_lib
 from mopd_jax.evaluation import report
 from mopd_jax.stages import study as study_stage
 
@@ -96,8 +97,7 @@ def test_rerun_skips_finished_steps(study, data_dir, cached_env, smoke_run):
 def test_a_study_on_file_domains(tmp_path, data_dir, cached_env, smoke_run):
   """The study on two of the user's own math files from a given base:
   GRPO experts (in folders named by kind and file), Merge, every model
-  evaluated on those domains alone, the report; its mesh (the CPU split
-  into 2 devices) is every child run's."""
+  evaluated on those domains alone, the report."""
   names = ["math:" + math_file(tmp_path / "sums.jsonl", 400),
            "math:" + math_file(tmp_path / "diffs.jsonl", 400, op="-")]
   workdir = tmp_path / "study"
@@ -105,16 +105,11 @@ def test_a_study_on_file_domains(tmp_path, data_dir, cached_env, smoke_run):
                      f"--workdir={workdir}", f"--config.base={smoke_run[0]}",
                      f"--config.domains={tuple(names)!r}",
                      "--config.steps=('experts','merge','evaluate','report')",
-                     "--config.mesh.cpu_devices=2",
                      f"--config.data_dir={data_dir}", env=cached_env,
                      timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.loads((workdir / "results.json").read_text())
   assert results["domains"] == names and results["held_out"] == []
-  expert = workdir / "expert_math_sums"
-  assert json.loads((expert / "config.json").read_text())["mesh"][
-      "cpu_devices"] == 2
-  assert json.loads((expert / "summary.json").read_text())["devices"] == 2
   assert set(results["methods"]) == {"base", f"expert/{names[0]}",
                                      f"expert/{names[1]}", "merge/ties",
                                      "oracle"}
@@ -126,6 +121,19 @@ def test_a_study_on_file_domains(tmp_path, data_dir, cached_env, smoke_run):
   assert sorted(p.name for p in (workdir / "evaluations").iterdir()) == [
       f"{m}_eval_8.json" for m in ("base", "expert_math_diffs",
                                    "expert_math_sums", "merge_ties")]
+
+
+def test_children_run_on_the_studys_mesh(tmp_path):
+  """The study's mesh section is every child run's; a child's own
+  override still wins."""
+  config = load_config("study", "smoke")
+  config.mesh.update(cpu_devices=2, fsdp=2, rules="fsdp")
+  config.overrides.mopd = ("mesh.rules=dp",)
+  study = study_stage.Study(config_lib.validate(config), str(tmp_path))
+  for name, rules in (("mix_rl", "fsdp"), ("mopd", "dp")):
+    fields = {"teachers": study.template} if name == "mopd" else {}
+    mesh = study.child_config(name, init=study.base, **fields).mesh
+    assert (mesh.cpu_devices, mesh.fsdp, mesh.rules) == (2, 2, rules), name
 
 
 def test_bad_step_and_missing_base_are_one_line(tmp_path):
