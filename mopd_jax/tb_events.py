@@ -92,13 +92,13 @@ def event(step: int, *, wall_time: float, file_version: str = "",
   return out
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _float32(value: float) -> float:
   """``value``, or +-inf beyond float32's range (``struct`` refuses it)."""
   return math.copysign(math.inf, value) if (
       math.isfinite(value) and abs(value) > _FLOAT32_MAX) else value
-
-
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class EventFileWriter:

@@ -354,9 +354,8 @@ def write_summary(workdir: str, step: int, params: Any, **extra) -> dict:
   ``params_sha256`` of the final parameters (``checksum.tree_checksum``),
   ``metrics``, the last logged value of every metric except timings, the
   number of ``devices`` it ran on, and the ``extra`` entries that are not
-  None. Two runs with equal summaries
-  ended with bit-identical parameters. Stages without a step loop (no
-  metrics.jsonl) call it too."""
+  None. Two runs with equal summaries ended with bit-identical parameters.
+  Stages without a step loop (no metrics.jsonl) call it too."""
   final: dict = {}
   records = read_metrics(workdir) if os.path.exists(
       os.path.join(workdir, METRICS_FILE)) else []

@@ -65,10 +65,9 @@ def _splash(q, k, v, segments, block: int):
     warnings.warn("attention_impl=splash off TPU runs in Pallas's"
                   " interpreter (slow: meant for tests)", stacklevel=2)
   B, T, H, d = q.shape
-  lanes = lambda n: -(-n // _LANES) * _LANES  # noqa: E731
-  bq = min(lanes(block), lanes(T))
-  pad = -(-T // bq) * bq - T
-  length = T + pad
+  bq = min(_round_up(block, _LANES), _round_up(T, _LANES))
+  length = _round_up(T, bq)
+  pad = length - T
   mask = splash_mask.MultiHeadMask(
       [splash_mask.CausalMask((length, length)) for _ in range(H)])
   sizes = splash.BlockSizes(
@@ -84,6 +83,10 @@ def _splash(q, k, v, segments, block: int):
   out = jax.vmap(lambda q, k, v, s: kernel(
       q, k, v, segment_ids=splash.SegmentIds(q=s, kv=s)))(q, k, v, seg)
   return out.transpose(0, 2, 1, 3)[:, :T]
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
 
 
 def _dot_product(q, k, v, segments):
