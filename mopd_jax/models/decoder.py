@@ -16,6 +16,7 @@ slots of its own segment only.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -370,6 +371,39 @@ def _attend(q, k, v, mask):
   return _ungrouped(jnp.einsum("bkrs,bksd->bkrd", probs, v), q.shape[1])
 
 
+@jax.custom_vjp
+def _matmul(x, w):
+  """``y[b, t] = x[b, t] w``: x [B, T, I], w [I, O]. Its backward pass is
+  written out, ``dx = dy w^T`` and ``dw = sum_{b,t} x[b, t]^T dy[b, t]``
+  as one dot that yields ``dw`` in ``w``'s own [I, O] layout: the train
+  step measured 1.17-1.19x faster on XLA:CPU than with autodiff's
+  transpose of the einsum (docs/performance.md), the same gradients."""
+  return jnp.einsum("bti,io->bto", x, w)
+
+
+def _matmul_fwd(x, w):
+  return _matmul(x, w), (x, w)
+
+
+def _matmul_bwd(saved, dy):
+  x, w = saved
+  return (jnp.einsum("bto,io->bti", dy, w),
+          jnp.einsum("bti,bto->io", x, dy))
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def project(x, w, n_in: int):
+  """A projection: ``x``'s last ``n_in`` axes contracted with ``w``'s first
+  ``n_in`` (``btd,dhk->bthk`` for q/k/v, ``bthk,hkd->btd`` for the output,
+  ``btd,df->btf`` for the MLP), through ``_matmul``."""
+  B, T = x.shape[:2]
+  inner = math.prod(w.shape[:n_in])
+  y = _matmul(x.reshape(B, T, inner), w.reshape(inner, -1))
+  return y.reshape(B, T, *w.shape[n_in:])
+
+
 def _layer(cfg: ModelConfig, x, p, positions, span, kv_cache, index):
   """One pre-norm block: ``x += Attn(norm(x)); x += SwiGLU(norm(x))``.
 
@@ -380,9 +414,7 @@ def _layer(cfg: ModelConfig, x, p, positions, span, kv_cache, index):
   instead is copied whole at every decode step: 1.5x slower sampling)."""
   dt = x.dtype
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
-  q = jnp.einsum("btd,dhk->bthk", h, p["q"].astype(dt))
-  k = jnp.einsum("btd,dhk->bthk", h, p["k"].astype(dt))
-  v = jnp.einsum("btd,dhk->bthk", h, p["v"].astype(dt))
+  q, k, v = (project(h, p[name].astype(dt), 1) for name in "qkv")
   if cfg.attention_bias:
     q, k, v = (q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt),
                v + p["v_bias"].astype(dt))
@@ -408,14 +440,14 @@ def _layer(cfg: ModelConfig, x, p, positions, span, kv_cache, index):
   else:
     attn = attend(q, k_all, v_all, span, cfg.attention_chunk,
                   None if index is None else index + q.shape[1])
-  x = x + jnp.einsum("bthk,hkd->btd", attn, p["o"].astype(dt))
+  x = x + project(attn, p["o"].astype(dt), 2)
   x = parallel.constrain(x, ("batch", "length", "embed"))
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  gate = jnp.einsum("btd,df->btf", h, p["gate"].astype(dt))
-  up = jnp.einsum("btd,df->btf", h, p["up"].astype(dt))
+  gate = project(h, p["gate"].astype(dt), 1)
+  up = project(h, p["up"].astype(dt), 1)
   act = parallel.constrain(jax.nn.silu(gate) * up,
                                    ("batch", "length", "mlp"))
-  x = x + jnp.einsum("btf,fd->btd", act, p["down"].astype(dt))
+  x = x + project(act, p["down"].astype(dt), 1)
   x = parallel.constrain(x, ("batch", "length", "embed"))
   return x, kv_cache
 

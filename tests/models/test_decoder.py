@@ -166,6 +166,31 @@ def test_logical_axes_name_every_dimension(name):
   assert sum(p.size for p in flat_p) == cfg.num_params()
 
 
+@pytest.mark.parametrize("x_shape,w_shape,n_in,spec", [
+    ((2, 5, 6), (6, 7), 1, "bti,io->bto"),  # MLP
+    ((2, 5, 6), (6, 3, 4), 1, "bti,ihk->bthk"),  # q / k / v
+    ((2, 5, 3, 4), (3, 4, 6), 2, "bthk,hko->bto"),  # attention output
+])
+def test_projection_values_and_gradients_match_numpy(x_shape, w_shape, n_in,
+                                                     spec):
+  """``project`` and its written-out backward pass against float64 numpy:
+  ``y = x w``, ``dx = dy w^T``, ``dw = sum_{b,t} x^T dy``."""
+  rng = np.random.default_rng(0)
+  x, w = rng.normal(size=x_shape), rng.normal(size=w_shape)
+  y_np = np.einsum(spec, x, w)
+  dy = rng.normal(size=y_np.shape)
+  ins, out = spec.split("->")
+  xs, ws = ins.split(",")
+  dx_np = np.einsum(f"{out},{ws}->{xs}", dy, w)
+  dw_np = np.einsum(f"{xs},{out}->{ws}", x, dy)
+  y, vjp = jax.vjp(functools.partial(decoder.project, n_in=n_in),
+                   jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+  dx, dw = vjp(jnp.asarray(dy, jnp.float32))
+  for got, want in ((y, y_np), (dx, dx_np), (dw, dw_np)):
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def test_remat_keeps_gradients_and_saves_activation_memory():
   """Per-layer rematerialisation: the same loss and gradients, and less
   temporary memory in the compiled backward pass of a deeper model."""
