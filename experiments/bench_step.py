@@ -10,7 +10,12 @@
 Prints, all measured in this one process:
 * the train step's tokens/s and model-FLOPs utilisation (MFU) against the
   peak of a large matmul in the model's dtype timed here (the machine's
-  practical peak), or ``--peak_tflops`` (a datasheet's);
+  practical peak), or ``--peak_tflops`` (a datasheet's); and the rate of
+  the step's own MLP matmul (``[rows x length, d] x [d, mlp]``) timed
+  alone, the most its small matmuls reach on this machine;
+* the train step's time with autodiff's backward pass of the projections
+  (``autodiff_projection``) over its time with ``decoder.project``'s
+  written-out one, the two interleaved;
 * the sampler's decode tokens/s (KV cache, ``lax.while_loop``) against a
   baseline that re-runs the full forward pass over the whole padded sequence
   for every new token (no cache), and the ratio of the two.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -31,19 +37,27 @@ from mopd_jax.models.config import ATTENTION_IMPLS, PRESETS, ModelConfig
 from mopd_jax.objectives.sft import sft_loss
 from mopd_jax.rollout import sampler
 from mopd_jax.training import make_optimizer, init_state
-from mopd_jax.timing import timed
+from mopd_jax.timing import interleaved, timed
 
 
-def matmul_peak(n: int = 2048, dtype: str = "float32") -> float:
-  """FLOP/s of an ``n x n`` matmul in the model's compute ``dtype``, the
-  peak MFU is measured against."""
-  a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-  b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+def matmul_rate(m: int, k: int, n: int, dtype: str = "float32") -> float:
+  """FLOP/s of one ``[m, k] x [k, n]`` matmul in ``dtype``, timed alone."""
+  a = jax.random.normal(jax.random.key(0), (m, k), dtype)
+  b = jax.random.normal(jax.random.key(1), (k, n), dtype)
   mm = jax.jit(jnp.dot)
-  return 2 * n ** 3 / timed(lambda: mm(a, b).block_until_ready(), 5)
+  return 2 * m * k * n / timed(lambda: mm(a, b).block_until_ready(), 5)
 
 
-def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float):
+def autodiff_projection(x, w, n_in: int):
+  """``decoder.project``'s values with autodiff's backward pass: the
+  baseline its written-out backward pass is measured against."""
+  return jnp.tensordot(x, w, n_in)
+
+
+def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float,
+                repeats: int):
+  """Train-step tokens/s, FLOP/s and MFU, and the step's time with
+  ``autodiff_projection`` over its time as it is (calls interleaved)."""
   # The base model's optimiser section itself, so that it cannot drift.
   optimizer = make_optimizer(config_lib.defaults("pretrain").optim, 1000)
   state = init_state(decoder.init_params(cfg, jax.random.key(0)), optimizer)
@@ -53,7 +67,6 @@ def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float):
                segment_ids=np.ones((rows, length), np.int32),
                loss_mask=np.ones((rows, length), np.int32))
 
-  @jax.jit
   def step(state, batch):
     def loss_fn(p):
       s, c = sft_loss(p, cfg, batch)
@@ -63,10 +76,17 @@ def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float):
     params = jax.tree.map(jnp.add, state["params"], updates)
     return dict(params=params, opt_state=opt, step=state["step"] + 1)
 
-  seconds = timed(lambda: jax.block_until_ready(step(state, batch)), 10)
+  ours, baseline = jax.jit(step), jax.jit(step)
+  # Traced now, each with its projection (the jitted step keeps it).
+  ours(state, batch)
+  with mock.patch.object(decoder, "project", autodiff_projection):
+    baseline(state, batch)
+  seconds, base_seconds = interleaved(
+      [lambda f=f: jax.block_until_ready(f(state, batch))
+       for f in (ours, baseline)], repeats)
   tokens = rows * length
   flops = cfg.train_flops_per_token(length) * tokens / seconds
-  return tokens / seconds, flops, flops / peak
+  return tokens / seconds, flops, flops / peak, base_seconds / seconds
 
 
 def bench_decode(cfg: ModelConfig, batch: int, prompt_len: int, new: int):
@@ -108,6 +128,8 @@ def main(argv=None):
   parser.add_argument("--decode_batch", type=int, default=128)
   parser.add_argument("--prompt_len", type=int, default=24)
   parser.add_argument("--new_tokens", type=int, default=48)
+  parser.add_argument("--repeats", type=int, default=20,
+                      help="train steps timed, each form")
   parser.add_argument("--peak_size", type=int, default=2048,
                       help="side of the matmul that measures the peak")
   parser.add_argument("--peak_tflops", type=float, default=0.0,
@@ -130,12 +152,20 @@ def main(argv=None):
         f" preset={args.preset} params={cfg.num_params():,} dtype={cfg.dtype}"
         f" remat={cfg.remat} chunk={cfg.attention_chunk}"
         f" attention={cfg.attention_impl}")
+  n = args.peak_size
   peak = (args.peak_tflops * 1e12 if args.peak_tflops
-          else matmul_peak(args.peak_size, cfg.dtype))
-  tok_s, flops, mfu = bench_train(cfg, args.rows, args.length, peak)
+          else matmul_rate(n, n, n, cfg.dtype))
+  mlp = matmul_rate(args.rows * args.length, cfg.embed_dim, cfg.mlp_dim,
+                    cfg.dtype)
+  tok_s, flops, mfu, speedup = bench_train(cfg, args.rows, args.length,
+                                           peak, args.repeats)
   print(f"matmul peak             {peak / 1e9:10.1f} GFLOP/s")
+  print(f"the step's MLP matmul   {mlp / 1e9:10.1f} GFLOP/s alone")
   print(f"train step              {tok_s:10.0f} tokens/s"
-        f"  {flops / 1e9:.1f} GFLOP/s  MFU {100 * mfu:.1f}%")
+        f"  {flops / 1e9:.1f} GFLOP/s  MFU {100 * mfu:.1f}%"
+        f"  ({100 * flops / mlp:.0f}% of the MLP matmul's rate)")
+  print(f"written-out projection backward {speedup:6.2f}x the train step"
+        " with autodiff's")
   cached, baseline = bench_decode(cfg, args.decode_batch, args.prompt_len,
                                   args.new_tokens)
   print(f"decode, KV cache        {cached:10.0f} tokens/s")

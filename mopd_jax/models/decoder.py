@@ -376,8 +376,9 @@ def _matmul(x, w):
   """``y[b, t] = x[b, t] w``: x [B, T, I], w [I, O]. Its backward pass is
   written out, ``dx = dy w^T`` and ``dw = sum_{b,t} x[b, t]^T dy[b, t]``
   as one dot that yields ``dw`` in ``w``'s own [I, O] layout: the train
-  step measured 1.17-1.19x faster on XLA:CPU than with autodiff's
-  transpose of the einsum (docs/performance.md), the same gradients."""
+  step measured 1.15-1.19x faster on XLA:CPU than with autodiff's
+  backward pass of the einsum (``experiments/bench_step.py``), the same
+  gradients."""
   return jnp.einsum("bti,io->bto", x, w)
 
 

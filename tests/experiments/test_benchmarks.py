@@ -20,11 +20,12 @@ def test_bench_step_smoke():
   result = _run("bench_step.py", "--preset=micro", "--rows=2", "--length=8",
                 "--decode_batch=2", "--prompt_len=4", "--new_tokens=2",
                 "--peak_size=64", "--dtype=bfloat16", "--remat", "--chunk=4",
-                "--attention=cudnn")
+                "--attention=cudnn", "--repeats=2")
   assert result.returncode == 0, result.stderr[-3000:]
   assert ("dtype=bfloat16 remat=True chunk=4 attention=cudnn"
           in result.stdout)
-  for line in ("train step", "decode, KV cache", "cache speed-up"):
+  for line in ("train step", "MLP matmul", "projection backward",
+               "decode, KV cache", "cache speed-up"):
     assert line in result.stdout, line
 
 
