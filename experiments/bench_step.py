@@ -14,8 +14,8 @@ Prints, all measured in this one process:
   the step's own MLP matmul (``[rows x length, d] x [d, mlp]``) timed
   alone, the most its small matmuls reach on this machine;
 * the train step's time with autodiff's backward pass of the projections
-  (``autodiff_projection``) over its time with ``decoder.project``'s
-  written-out one, the two interleaved;
+  over its time with ``decoder.matmul``'s written-out one, the two
+  interleaved;
 * the sampler's decode tokens/s (KV cache, ``lax.while_loop``) against a
   baseline that re-runs the full forward pass over the whole padded sequence
   for every new token (no cache), and the ratio of the two.
@@ -48,16 +48,12 @@ def matmul_rate(m: int, k: int, n: int, dtype: str = "float32") -> float:
   return 2 * m * k * n / timed(lambda: mm(a, b).block_until_ready(), 5)
 
 
-def autodiff_projection(x, w, n_in: int):
-  """``decoder.project``'s values with autodiff's backward pass: the
-  baseline its written-out backward pass is measured against."""
-  return jnp.tensordot(x, w, n_in)
-
-
 def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float,
                 repeats: int):
   """Train-step tokens/s, FLOP/s and MFU, and the step's time with
-  ``autodiff_projection`` over its time as it is (calls interleaved)."""
+  autodiff's backward pass of the projections (``decoder.dense`` in place
+  of ``decoder.matmul``, the same forward) over its time as it is, the
+  calls interleaved."""
   # The base model's optimiser section itself, so that it cannot drift.
   optimizer = make_optimizer(config_lib.defaults("pretrain").optim, 1000)
   state = init_state(decoder.init_params(cfg, jax.random.key(0)), optimizer)
@@ -83,7 +79,7 @@ def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float,
   # Each traced now, with its projection (the jitted step keeps it).
   ours = make_step()
   ours(state, batch)
-  with mock.patch.object(decoder, "project", autodiff_projection):
+  with mock.patch.object(decoder, "matmul", decoder.dense):
     baseline = make_step()
     baseline(state, batch)
   seconds, base_seconds = interleaved(

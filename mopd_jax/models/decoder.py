@@ -371,37 +371,38 @@ def _attend(q, k, v, mask):
   return _ungrouped(jnp.einsum("bkrs,bksd->bkrd", probs, v), q.shape[1])
 
 
-@jax.custom_vjp
-def _matmul(x, w):
-  """``y[b, t] = x[b, t] w``: x [B, T, I], w [I, O]. Its backward pass is
-  written out, ``dx = dy w^T`` and ``dw = sum_{b,t} x[b, t]^T dy[b, t]``
-  as one dot that yields ``dw`` in ``w``'s own [I, O] layout: the train
-  step measured 1.15-1.19x faster on XLA:CPU than with autodiff's
-  backward pass of the einsum (``experiments/bench_step.py``), the same
-  gradients."""
+def dense(x, w):
+  """``y[b, t] = x[b, t] w``: x [B, T, I], w [I, O] -> [B, T, O]."""
   return jnp.einsum("bti,io->bto", x, w)
 
 
 def _matmul_fwd(x, w):
-  return _matmul(x, w), (x, w)
+  return dense(x, w), (x, w)
 
 
 def _matmul_bwd(saved, dy):
+  """``dx = dy w^T`` and ``dw = sum_{b,t} x[b, t]^T dy[b, t]``, the latter
+  as one dot that yields ``dw`` in ``w``'s own [I, O] layout, with which
+  XLA:CPU runs the train step faster than with autodiff's backward pass
+  of ``dense`` (docs/performance.md)."""
   x, w = saved
   return (jnp.einsum("bto,io->bti", dy, w),
           jnp.einsum("bti,bto->io", x, dy))
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+# ``dense`` with the backward pass above. A custom VJP has no forward-mode
+# derivative: the model supports ``jax.grad``/``vjp``, not ``jvp``.
+matmul = jax.custom_vjp(dense)
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def project(x, w, n_in: int):
   """A projection: ``x``'s last ``n_in`` axes contracted with ``w``'s first
   ``n_in`` (``btd,dhk->bthk`` for q/k/v, ``bthk,hkd->btd`` for the output,
-  ``btd,df->btf`` for the MLP), through ``_matmul``."""
+  ``btd,df->btf`` for the MLP), as one ``matmul`` over flattened axes."""
   B, T = x.shape[:2]
   inner = math.prod(w.shape[:n_in])
-  y = _matmul(x.reshape(B, T, inner), w.reshape(inner, -1))
+  y = matmul(x.reshape(B, T, inner), w.reshape(inner, -1))
   return y.reshape(B, T, *w.shape[n_in:])
 
 

@@ -191,6 +191,29 @@ def test_projection_values_and_gradients_match_numpy(x_shape, w_shape, n_in,
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_written_out_backward_equals_autodiff_under_remat(dtype):
+  """``matmul``'s backward pass against autodiff's of ``dense`` (the same
+  forward), through ``jax.checkpoint`` as remat runs it, in the model's
+  compute dtypes."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(3, 7, 16)), dtype)
+  w = jnp.asarray(rng.normal(size=(16, 24)), dtype)
+
+  def loss(f, x, w):
+    y = jax.checkpoint(f)(x, w).astype(jnp.float32)
+    return jnp.sum(jnp.sin(y))
+
+  got = jax.grad(functools.partial(loss, decoder.matmul), (0, 1))(x, w)
+  want = jax.grad(functools.partial(loss, decoder.dense), (0, 1))(x, w)
+  tol = 1e-6 if dtype == "float32" else 1e-2
+  for g, r in zip(got, want):
+    assert g.dtype == r.dtype == jnp.dtype(dtype)
+    np.testing.assert_allclose(np.asarray(g, np.float32),
+                               np.asarray(r, np.float32), rtol=tol,
+                               atol=tol)
+
+
 def test_remat_keeps_gradients_and_saves_activation_memory():
   """Per-layer rematerialisation: the same loss and gradients, and less
   temporary memory in the compiled backward pass of a deeper model."""
