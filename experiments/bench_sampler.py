@@ -52,7 +52,7 @@ def ours(params, cfg, prompt, new: int):
   """A blocking ``sampler.sample`` call (a new key each call), the rows
   split over every device."""
   mask = jnp.ones_like(prompt)
-  sampling = sampler.SamplingConfig(max_new_tokens=new, eos_id=-1)
+  sampling = sampler.SamplingConfig(max_new_tokens=new, stop_ids=())
   keys = iter(jax.random.split(jax.random.key(1), 1000))
   mesh = parallel.make_mesh()
   params = jax.device_put(params, parallel.replicated(mesh))

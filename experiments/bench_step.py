@@ -95,8 +95,8 @@ def bench_decode(cfg: ModelConfig, batch: int, prompt_len: int, new: int):
   prompt = jax.random.randint(jax.random.key(1), (batch, prompt_len), 3,
                               cfg.vocab_size)
   mask = jnp.ones_like(prompt)
-  # eos_id=-1: never stop early, so both paths generate exactly ``new`` tokens.
-  sampling = sampler.SamplingConfig(max_new_tokens=new, eos_id=-1)
+  # stop_ids=(): never stop early, so both paths generate exactly ``new`` tokens.
+  sampling = sampler.SamplingConfig(max_new_tokens=new, stop_ids=())
   cached = timed(lambda: jax.block_until_ready(sampler.sample(
       params, cfg, prompt, mask, jax.random.key(2), sampling)), 3)
 

@@ -74,7 +74,7 @@ def _mesh() -> ml_collections.ConfigDict:
 
 def _sampling(**overrides) -> ml_collections.ConfigDict:
   fields = dataclasses.asdict(SamplingConfig())
-  for special in ("eos_id", "pad_id"):  # taken from the tokenizer
+  for special in ("stop_ids", "pad_id"):  # taken from the tokenizer
     fields.pop(special)
   fields.update(overrides)
   return ml_collections.ConfigDict(fields)
@@ -330,7 +330,8 @@ def _merge() -> ml_collections.ConfigDict:
   c = _common("merge", init=True)
   c.data.domains = TRAIN_DOMAINS
   c.eval.domains = ALL_DOMAINS
-  # run directories: a template with {domain}, or domain=dir pairs
+  # run directories: a template with {domain}, or domain=dir pairs; or a
+  # plain list of runs (dir,dir,...): no data, nothing evaluated
   c.experts = ""
   c.merge = ml_collections.ConfigDict({
       "method": "task_arithmetic",
@@ -397,6 +398,7 @@ def _study() -> ml_collections.ConfigDict:
   # evaluated every 25 on 128 prompts for the report's curves; Merge
   # sweeps lambda and density over two values each.
   c.overrides = ml_collections.ConfigDict(dict(
+      all=(),  # applied to every step first (e.g. data.max_prompt_len)
       pretrain=(),
       grpo=(),
       merge=("merge.sweep_lambdas=[0.5,1.0]",
@@ -642,10 +644,15 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if not full.experts:
       raise ConfigError("experts: must be the expert runs: a template with"
                         " {domain} or domain=dir pairs, got ''")
-    if full.merge.weights and len(full.merge.weights) != len(
-        full.data.domains):
+    experts = (len(merge.run_list(full.experts))
+               if merge.is_run_list(full.experts) else len(full.data.domains))
+    if full.merge.weights and len(full.merge.weights) != experts:
       raise ConfigError(f"merge.weights: {len(full.merge.weights)} weights"
-                        f" for {len(full.data.domains)} experts")
+                        f" for {experts} experts")
+    if full.merge.sweep and merge.is_run_list(full.experts):
+      raise ConfigError("merge.sweep: needs the experts' domains to score"
+                        " on (domain=dir pairs or a {domain} template), not"
+                        " a plain list of runs")
     merge.parse_overrides(full.merge.overrides)
   return full
 
@@ -710,7 +717,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
 def sampling_config(section: ml_collections.ConfigDict, tokenizer,
                     **overrides) -> SamplingConfig:
-  fields = dict(section.to_dict(), eos_id=tokenizer.eos_id,
+  fields = dict(section.to_dict(), stop_ids=tuple(tokenizer.stop_ids),
                 pad_id=tokenizer.pad_id)
   fields.update(overrides)
   return SamplingConfig(**fields)

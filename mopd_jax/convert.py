@@ -202,6 +202,32 @@ def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> dict:
     return training.write_summary(tmp, 0, params, hf_dir=hf_dir)
 
 
+def is_hf_checkpoint(path: str) -> bool:
+  """Whether ``path`` is a Hugging Face checkpoint directory (a
+  ``config.json`` naming a ``model_type``) rather than a run directory."""
+  config = os.path.join(os.path.expanduser(path), "config.json")
+  try:
+    with open(config, encoding="utf-8") as f:
+      fields = json.load(f)
+  except (OSError, ValueError, RecursionError):
+    return False
+  return isinstance(fields, dict) and "model_type" in fields and (
+      "model" not in fields)
+
+
+@contextlib.contextmanager
+def as_run(path: str):
+  """``path`` as a run directory: itself, or, for a Hugging Face
+  checkpoint directory, the run ``import_hf`` makes of it in a temporary
+  directory, removed afterwards (nothing is written into ``path``)."""
+  if not is_hf_checkpoint(path):
+    yield path
+    return
+  with tempfile.TemporaryDirectory(prefix="mopd_jax-import-") as tmp:
+    import_hf(os.path.expanduser(path), os.path.join(tmp, "run"))
+    yield os.path.join(tmp, "run")
+
+
 def export_run(run_dir: str, out: str, dtype: str = "") -> None:
   """Write the final parameters of the run in ``run_dir`` as a Hugging Face
   checkpoint at ``out``, in ``dtype`` (default: the run's parameter

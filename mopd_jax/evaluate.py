@@ -10,7 +10,9 @@ differences: the standard error of an accuracy ``p`` over ``N`` prompts is
 ``N = 960``. With ``--samples=n`` it also measures solution coverage:
 pass@k (``k`` = 1, 2, 4, ... n) from ``n`` samples of each prompt at the
 evaluation temperature, keys ``eval/pass@<k>/<domain>``. The run's
-directory is only added to, never rewritten. An imported checkpoint
+directory is only added to, never rewritten. ``--run`` may be a Hugging
+Face checkpoint directory, read as ``convert import`` reads it (nothing
+is written into it: ``--output`` is then required). An imported checkpoint
 (``mopd_jax.convert``) has no data or sampling settings of its own: the
 defaults', or those of ``--settings=configs/<method>.py[:variant]``
 (e.g. ``configs/mix_rl.py:hf``: 512-token prompts, 1,024-token
@@ -27,14 +29,15 @@ from absl import flags
 from ml_collections import config_flags
 
 from mopd_jax import config as config_lib
-from mopd_jax import checkpointing, cli, parallel, runs, training
+from mopd_jax import checkpointing, cli, convert, parallel, runs, training
 from mopd_jax.data import splits
 from mopd_jax.data.domains import DOMAINS
-from mopd_jax.errors import ConfigError
+from mopd_jax.errors import ConfigError, UserError
 from mopd_jax.evaluation import evaluator, pass_at_k
 from mopd_jax.models import tokenizer as tokenizer_lib
 
-_RUN = flags.DEFINE_string("run", None, "Run directory to evaluate.")
+_RUN = flags.DEFINE_string("run", None, "Run directory (or Hugging Face"
+                           " checkpoint directory) to evaluate.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 960,
                                     "Test prompts per domain (`add` has 993).")
 _DOMAINS = flags.DEFINE_list("domains", list(DOMAINS),
@@ -148,15 +151,23 @@ def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):
 
 def main() -> None:
   settings = cli.config_value(_SETTINGS, "settings")
+  hf_checkpoint = convert.is_hf_checkpoint(_RUN.value)
+  if hf_checkpoint and not _OUTPUT.value:
+    raise UserError(f"--output: needed for {_RUN.value}, a Hugging Face"
+                    " checkpoint directory (nothing is written into it)")
+  if not _DOMAINS.value:
+    raise UserError("--domains: empty; name at least one domain")
   if settings is not None:
     if "init" in settings:  # the run evaluated is the one it starts from
       settings.init = _RUN.value
     settings = config_lib.validate(settings)
   # Before anything touches a device, as in train.
-  parallel.use_cpu_devices(
-      run_settings(_RUN.value, settings).mesh.get("cpu_devices", 1))
-  evaluate_run(_RUN.value, _NUM_PROMPTS.value, _DOMAINS.value, _OUTPUT.value,
-               _SAMPLES.value, settings)
+  mesh = (settings or config_lib.defaults("mix_rl")).mesh if (
+      hf_checkpoint) else run_settings(_RUN.value, settings).mesh
+  parallel.use_cpu_devices(mesh.get("cpu_devices", 1))
+  with convert.as_run(_RUN.value) as run_dir:
+    evaluate_run(run_dir, _NUM_PROMPTS.value, _DOMAINS.value, _OUTPUT.value,
+                 _SAMPLES.value, settings)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
     python -m mopd_jax.score --model=RUN --input=IN.jsonl --output=OUT.jsonl \
         [--teacher=RUN] [--batch_size=32]
 
-Each input line is ``{"text": ...}`` (every token after the first is
-scored) or ``{"prompt": ..., "completion": ...}`` (the completion's tokens
+``RUN`` is a run directory or a Hugging Face checkpoint directory (read
+as ``convert import`` would, nothing written into it). Each input line is
+``{"text": ...}`` (tokenized as ``tokenizer(text)`` reads it; every token
+after the first is scored) or ``{"prompt": ..., "completion": ...}`` (the completion's tokens
 and the EOS that ends it, given the prompt as the model reads it: BOS or
 the chat template first). The tokenizer is the model run's own. Each output line, in input
 order, has ``tokens`` (the scored token ids), ``pieces`` (their text) and
@@ -21,6 +23,7 @@ code 2, and the output is written whole or not at all.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -29,7 +32,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from mopd_jax import cli, runs
+from mopd_jax import cli, convert, runs
 from mopd_jax.atomic import write_text_atomic
 from mopd_jax.data.jsonl import json_records
 from mopd_jax.errors import DataError, UserError
@@ -54,8 +57,7 @@ def parse(path: str, tokenizer) -> list[tuple[list[int], int]]:
                         f" {type(record[key]).__name__}")
     try:
       if keys == ["text"]:
-        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-        ids = bos + tokenizer.encode(record["text"])
+        ids = tokenizer.text_ids(record["text"])
         first = 1  # the first token has nothing before it
       else:
         prompt = tokenizer.prompt_ids(record["prompt"])
@@ -64,8 +66,13 @@ def parse(path: str, tokenizer) -> list[tuple[list[int], int]]:
         first = len(prompt)
     except DataError as e:
       raise DataError(f"{where}: {e}") from None
+    if first == 0:
+      raise DataError(f"{where}: field 'prompt' gives no tokens (this"
+                      " tokenizer has no BOS and no chat template), so the"
+                      " completion's first token has nothing to follow")
     if first >= len(ids):
-      raise DataError(f"{where}: field 'text' is empty: nothing to score")
+      raise DataError(f"{where}: field 'text' has at most one token:"
+                      " nothing to score")
     out.append((ids, first))
   if not out:
     raise DataError(f"{path}: no lines to score")
@@ -117,8 +124,7 @@ def score_lines(lines, tokenizer, model, teacher=None, batch_size: int = 32
     for row, (line, first) in enumerate(chunk):
       scored = slice(first - 1, len(line) - 1)  # position t predicts t + 1
       record = {"tokens": line[first:],
-                "pieces": ["<eos>" if i == tokenizer.eos_id
-                           else tokenizer.decode([i]) for i in line[first:]],
+                "pieces": [tokenizer.piece(i) for i in line[first:]],
                 "logprobs": picked[row, scored].tolist()}
       if teacher is not None:
         record["teacher_logprobs"] = t_picked[row, scored].tolist()
@@ -129,10 +135,12 @@ def score_lines(lines, tokenizer, model, teacher=None, batch_size: int = 32
   return records
 
 
-def load(run_dir: str, field: str, tokenizer):
-  """``(cfg, params)`` of the run in ``run_dir``, which must share
-  ``tokenizer``'s token ids (``field`` names the flag in errors)."""
-  runs.check_same_tokens(run_dir, runs.load_run_config(run_dir), tokenizer,
+def load(path: str, field: str, tokenizer, stack: contextlib.ExitStack):
+  """``(cfg, params)`` of the run (or Hugging Face checkpoint) in ``path``,
+  which must share ``tokenizer``'s token ids (``field`` names the flag in
+  errors)."""
+  run_dir = stack.enter_context(convert.as_run(path))
+  runs.check_same_tokens(path, runs.load_run_config(run_dir), tokenizer,
                          field)
   return runs.final_model(run_dir)
 
@@ -140,11 +148,13 @@ def load(run_dir: str, field: str, tokenizer):
 def define_flags() -> None:
   """The command's flags (defined when it runs, not when imported, so that
   other entry points can import this module)."""
-  flags.DEFINE_string("model", None, "The run directory to score.")
+  flags.DEFINE_string("model", None, "The run directory (or Hugging Face"
+                      " checkpoint directory) to score.")
   flags.DEFINE_string("input", None, "JSONL of {\"text\"} or"
                       " {\"prompt\", \"completion\"} objects.")
   flags.DEFINE_string("output", None, "Where to write the JSONL.")
-  flags.DEFINE_string("teacher", "", "A teacher run: adds its log-probs,"
+  flags.DEFINE_string("teacher", "", "A teacher run (or Hugging Face"
+                      " checkpoint): adds its log-probs,"
                       " the MOPD signal and the KL.")
   flags.DEFINE_integer("batch_size", 32, "Lines scored at once.")
 
@@ -159,11 +169,15 @@ def main() -> None:
   output = os.path.abspath(f.output)
   if not os.path.isdir(os.path.dirname(output)):
     raise UserError(f"--output: no directory {os.path.dirname(output)}")
+  if os.path.isdir(output):
+    raise UserError(f"--output: {output} is a directory")
   tokenizer = tokenizer_lib.of_run(f.model)
   lines = parse(f.input, tokenizer)
-  model = load(f.model, "--model", tokenizer)
-  teacher = load(f.teacher, "--teacher", tokenizer) if f.teacher else None
-  records = score_lines(lines, tokenizer, model, teacher, f.batch_size)
+  with contextlib.ExitStack() as stack:
+    model = load(f.model, "--model", tokenizer, stack)
+    teacher = (load(f.teacher, "--teacher", tokenizer, stack) if f.teacher
+               else None)
+    records = score_lines(lines, tokenizer, model, teacher, f.batch_size)
   write_text_atomic(output, "".join(json.dumps(r) + "\n" for r in records))
   print(f"scored {len(records)} lines -> {output}")
 

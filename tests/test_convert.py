@@ -156,8 +156,8 @@ def test_cli_round_trip_and_one_line_errors(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   result = _convert("export", f"--run={run_dir}", f"--out={out}")
   assert result.returncode == 0, result.stderr[-2000:]
-  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors",
-                                     "tokenizer.json",
+  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
+                                     "model.safetensors", "tokenizer.json",
                                      "tokenizer_config.json"]
 
   def one_line(result, *words):

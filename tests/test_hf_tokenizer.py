@@ -67,7 +67,7 @@ def test_hf_tokenizer_prompt_decode_fingerprint(tmp_path):
   assert isinstance(tokenizer_lib.of_run(str(tmp_path)),
                     tokenizer_lib.CharTokenizer)
   save_tokenizer(tmp_path / "noeos", eos="<missing>")
-  with pytest.raises(DataError, match="names no eos_token"):
+  with pytest.raises(DataError, match="eos_token .<missing>. is not a token"):
     tokenizer_lib.of_run(str(tmp_path / "noeos"))
 
 

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.xdist_group("parallel")
 CFG = ModelConfig(vocab_size=40, embed_dim=32, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, mlp_dim=64)
 OPT = optax.adamw(1e-2, weight_decay=0.1)
-GREEDY = sampler.SamplingConfig(max_new_tokens=6, temperature=0.0, eos_id=2)
+GREEDY = sampler.SamplingConfig(max_new_tokens=6, temperature=0.0, stop_ids=(2,))
 
 
 def test_make_mesh_shapes_and_errors():

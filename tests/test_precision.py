@@ -60,7 +60,7 @@ def test_bfloat16_sampler_and_trainer_log_probs_within_the_clip():
   params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
   prompt = jax.random.randint(jax.random.key(1), (16, 12), 3, 64)
   mask = jnp.ones_like(prompt)
-  sampling = sampler.SamplingConfig(max_new_tokens=32, eos_id=2)
+  sampling = sampler.SamplingConfig(max_new_tokens=32, stop_ids=(2,))
   out = sampler.sample(params, cfg, prompt, mask, jax.random.key(2),
                        sampling)
   trainer = sampler.sequence_logprobs(params, cfg, prompt, mask, out,

@@ -54,16 +54,28 @@ def pack_demonstrations(draw: Callable[[], object], tokenizer, rows: int,
   return dict(tokens=tokens, segment_ids=segments, loss_mask=loss_mask), packed
 
 
-def encode_prompts(prompts: Sequence[str], tokenizer, width: int):
+def encode_prompts(prompts: Sequence[str], tokenizer, width: int,
+                   rows: int = 0, fit: bool = False):
   """Left-padded prompt rows (``tokenizer.prompt_ids``): ``(tokens,
-  mask)``, each [B, width]."""
-  tokens = np.full((len(prompts), width), tokenizer.pad_id, np.int32)
-  mask = np.zeros_like(tokens)
-  for b, text in enumerate(prompts):
+  mask)``, each [B, W]. ``B`` is ``rows`` (at least ``len(prompts)``; the
+  rows past the prompts are empty, mask 0) or ``len(prompts)``; ``W`` is
+  ``width``, or with ``fit`` the smallest of 16, 32, 64, ... that holds the
+  longest prompt (at most ``width``): a few shapes to compile, and no
+  attention over padding that a short prompt does not need."""
+  ids = []
+  for text in prompts:
     row = tokenizer.prompt_ids(text)
     if len(row) > width:
       raise DataError(f"prompt {text[:60]!r}: {len(row)} tokens exceed"
                       f" data.max_prompt_len={width}")
+    ids.append(row)
+  if fit:
+    longest = max((len(row) for row in ids), default=1)
+    width = min(width, max(16, 1 << (longest - 1).bit_length()))
+  tokens = np.full((max(rows, len(prompts)), width), tokenizer.pad_id,
+                   np.int32)
+  mask = np.zeros_like(tokens)
+  for b, row in enumerate(ids):
     tokens[b, width - len(row):] = row
     mask[b, width - len(row):] = 1
   return tokens, mask

@@ -17,17 +17,24 @@ from mopd_jax.rollout import sampler
 def generate(params, model_cfg, tokenizer, prompts: Sequence[str],
              sampling: sampler.SamplingConfig, key: jax.Array,
              batch_size: int, width: int) -> tuple[list[str], list[int]]:
-  """Decoded completions of ``prompts`` and their lengths in tokens (EOS
-  included when produced), sampled ``batch_size`` at a time.
+  """Decoded completions of ``prompts`` and their lengths in tokens (stop
+  token included when produced), sampled ``batch_size`` at a time.
 
-  The last batch is padded with copies of the first prompt so that every
-  call has the same shape (one compilation).
+  A last batch of fewer prompts is padded with empty rows to the next
+  power of two (a multiple of the data-parallel devices), which the
+  sampler never decodes, and every batch's prompts are only as wide as
+  its longest needs (``encode_prompts(fit=True)``): a few prompts cost a
+  few rows, and a few shapes are compiled.
   """
+  mesh = jax.sharding.get_mesh()
+  devices = 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]
   texts, lengths = [], []
   for start in range(0, len(prompts), batch_size):
     chunk = list(prompts[start:start + batch_size])
-    padded = chunk + [prompts[0]] * (batch_size - len(chunk))
-    tokens, mask = encode_prompts(padded, tokenizer, width)
+    rows = min(batch_size, 1 << (len(chunk) - 1).bit_length())
+    rows = -(-rows // devices) * devices
+    tokens, mask = encode_prompts(chunk, tokenizer, width, rows=rows,
+                                  fit=True)
     rollout = sampler.sample(params, model_cfg, tokens, mask,
                              jax.random.fold_in(key, start), sampling)
     rollout = parallel.to_host(rollout)

@@ -25,12 +25,13 @@ from mopd_jax.ops.logprobs import token_logprobs
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those."""
+  """``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those;
+  any of ``stop_ids`` ends a row (none: every row runs ``max_new_tokens``)."""
   max_new_tokens: int = 48
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
-  eos_id: int = 2
+  stop_ids: tuple[int, ...] = (2,)
   pad_id: int = 0
 
 
@@ -94,8 +95,9 @@ def _decode(params, cfg: ModelConfig, sampling: SamplingConfig, key,
   batch = last_logits.shape[0]
   n = sampling.max_new_tokens
   out = jnp.full((batch, n), sampling.pad_id, jnp.int32)
+  # A row with an empty prompt (padding of a short batch) is done at once.
   state = (jnp.int32(0), cache, last_logits, next_position,
-           jnp.zeros(batch, bool), out, jnp.zeros((batch, n), jnp.float32),
+           next_position == 0, out, jnp.zeros((batch, n), jnp.float32),
            jnp.zeros((batch, n), jnp.int32), key)
 
   def cond(state):
@@ -111,7 +113,7 @@ def _decode(params, cfg: ModelConfig, sampling: SamplingConfig, key,
     out = out.at[:, step].set(token)
     lps = lps.at[:, step].set(jnp.where(live, lp, 0.0))
     mask = mask.at[:, step].set(live.astype(jnp.int32))
-    done = done | (token == sampling.eos_id)
+    done = done | jnp.isin(token, jnp.asarray(sampling.stop_ids, jnp.int32))
     logits, cache = decoder.apply(params, cfg, token[:, None],
                                   live.astype(jnp.int32)[:, None],
                                   position[:, None], cache)
@@ -128,7 +130,8 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
   """Sample up to ``max_new_tokens`` per left-padded prompt row.
 
   ``prompt``: [B, P] int32, ``prompt_mask``: [B, P] (1 on real tokens, which
-  must be right-aligned). Deterministic for a given ``key``. Under a mesh
+  must be right-aligned; a row without any is padding, never decoded).
+  Deterministic for a given ``key``. Under a mesh
   (``parallel.activate``) the prompts are split over the batch axis, each
   host feeding its own rows, and the cache is sharded as ``init_cache``
   says; the result is then a global array (``parallel.to_host`` reads it).

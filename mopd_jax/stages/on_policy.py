@@ -131,7 +131,7 @@ class Rollouts:
                                  rl.prompts_per_step, self.config.seed, step)
     prompt, prompt_mask = batching.encode_prompts(
         [e.prompt for e in examples for _ in range(rl.group_size)],
-        self.tokenizer, self.config.data.max_prompt_len)
+        self.tokenizer, self.config.data.max_prompt_len, fit=True)
     with parallel.activate(self.mesh):
       rollout = sampler.sample(params, self.model_cfg, prompt, prompt_mask,
                                jax.random.fold_in(self.key, step),

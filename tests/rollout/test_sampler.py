@@ -38,10 +38,10 @@ def setup():
 
 
 SETTINGS = [
-    sampler.SamplingConfig(max_new_tokens=24, eos_id=EOS),
+    sampler.SamplingConfig(max_new_tokens=24, stop_ids=(EOS,)),
     sampler.SamplingConfig(max_new_tokens=24, temperature=0.7, top_k=8,
-                           top_p=0.9, eos_id=EOS),
-    sampler.SamplingConfig(max_new_tokens=24, temperature=0.0, eos_id=EOS),
+                           top_p=0.9, stop_ids=(EOS,)),
+    sampler.SamplingConfig(max_new_tokens=24, temperature=0.0, stop_ids=(EOS,)),
 ]
 
 
@@ -72,7 +72,7 @@ def test_temperature_one_logprobs_are_model_logprobs(setup):
 
 def test_eos_stops_the_row_and_deterministic(setup):
   params, prompt, mask = setup
-  sampling = sampler.SamplingConfig(max_new_tokens=30, eos_id=5)
+  sampling = sampler.SamplingConfig(max_new_tokens=30, stop_ids=(5,))
   a = sampler.sample(params, CFG, prompt, mask, jax.random.key(11), sampling)
   b = sampler.sample(params, CFG, prompt, mask, jax.random.key(11), sampling)
   c = sampler.sample(params, CFG, prompt, mask, jax.random.key(12), sampling)

@@ -26,7 +26,7 @@ from mopd_jax.stages import mopd as mopd_stage
 from mopd_jax.stages import on_policy
 
 TOK = CharTokenizer()
-SAMPLING = sampler.SamplingConfig(max_new_tokens=6, eos_id=TOK.eos_id)
+SAMPLING = sampler.SamplingConfig(max_new_tokens=6, stop_ids=(TOK.eos_id,))
 OPS = vocab.DEFAULT_OPS
 
 

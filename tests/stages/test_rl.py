@@ -32,7 +32,7 @@ def test_grpo_raises_reward_on_an_easy_task():
                     num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
   rl = config_lib.defaults("grpo").rl
   rl.update(group_size=8, prompts_per_step=8, minibatches=2, epochs=2)
-  sampling = sampler.SamplingConfig(max_new_tokens=4, eos_id=TOK.eos_id)
+  sampling = sampler.SamplingConfig(max_new_tokens=4, stop_ids=(TOK.eos_id,))
   optimizer = optax.adam(1e-2)
   train = dict(params=decoder.init_params(cfg, jax.random.key(0)))
   train["opt_state"] = optimizer.init(train["params"])
