@@ -54,6 +54,26 @@ def flag_error(error: Exception, argv) -> str:
   return " ".join(text.split()) or type(error).__name__
 
 
+def _split_dotted_paths() -> None:
+  """ml_collections reads an override's path (``merge.lambda``) as a
+  Python expression, so a field named like a keyword (``lambda``,
+  mergekit's name for the task-vector factor) could not be set from the
+  command line; a plain dotted path is split on its dots instead (the
+  same parts the expression would give for any other name)."""
+  from ml_collections.config_flags import config_path
+  if getattr(config_path.split, "dotted", False):
+    return
+  expression = config_path.split
+
+  def split(path: str):
+    if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", path):
+      return tuple(path.split("."))
+    return expression(path)
+
+  split.dotted = True
+  config_path.split = split
+
+
 def parse_flags(argv):
   # Everything raised here comes from the command line or a config file
   # (unknown flag or override, bad value, broken config file).
@@ -87,6 +107,7 @@ def run(main: Callable[..., None], commands: tuple[str, ...] = ()) -> None:
     except KeyboardInterrupt:
       _exit("interrupted; the same command resumes from the last checkpoint")
 
+  _split_dotted_paths()
   app.run(wrapped, flags_parser=parse_flags)
 
 

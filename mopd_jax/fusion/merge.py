@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 from typing import Any, Callable, Mapping, Sequence
 
@@ -422,6 +423,22 @@ def in_memory(experts: Sequence[Any]) -> Callable[[str], list]:
   """``expert_leaves`` for experts already in memory."""
   by_name = [dict(named_leaves(e)) for e in experts]
   return lambda name: [e[name] for e in by_name]
+
+
+def is_run_list(spec: str) -> bool:
+  """Whether Merge's ``experts`` is a plain comma-separated list of runs
+  (no ``{domain}`` template, no ``domain=dir`` pairs): a merge of runs
+  that need no data."""
+  return "{domain}" not in spec and "=" not in spec and bool(spec.strip())
+
+
+def run_list(spec: str) -> dict[str, str]:
+  """``{name: run directory}`` of a plain list of runs, each named by its
+  folder's name (``expert_2`` where two share one)."""
+  dirs = [s.strip() for s in spec.split(",") if s.strip()]
+  names = [os.path.basename(os.path.normpath(d)) or "expert" for d in dirs]
+  return {(n if names.count(n) == 1 else f"{n}_{i}"): d
+          for i, (n, d) in enumerate(zip(names, dirs))}
 
 
 def check_experts(method: str, count: int) -> None:

@@ -60,11 +60,16 @@ def _is_stacked(name: str) -> bool:
 
 
 def check(config) -> dict[str, str]:
-  """``{domain: expert run}``, each run checked against the base's
-  tokenizer and architecture; the method's expert count."""
+  """``{domain: expert run}`` (``{name: run}`` for a plain list of runs),
+  each run checked against the base's tokenizer and architecture; the
+  method's expert count."""
   tokenizer, model_cfg, _ = runs.setup(config)
-  dirs = teachers.parse_teachers(config.experts, tuple(config.data.domains),
-                             field="experts")
+  if merge.is_run_list(config.experts):
+    dirs = merge.run_list(config.experts)
+  else:
+    dirs = teachers.parse_teachers(config.experts,
+                                   tuple(config.data.domains),
+                                   field="experts")
   for run_dir in dirs.values():
     run_config = runs.load_run_config(run_dir)
     runs.check_same_tokens(run_dir, run_config, tokenizer, "experts")
@@ -74,10 +79,13 @@ def check(config) -> dict[str, str]:
 
 
 def run(config, workdir: str):
-  """Merge, evaluate and describe; returns ``{"params": merged}``."""
+  """Merge, evaluate and describe; returns ``{"params": merged}``. Experts
+  given as a plain list of runs need no data: nothing is evaluated (as
+  mergekit, the merge alone)."""
   tokenizer, model_cfg, mesh = runs.setup(config)
-  names = tuple(config.data.domains)
   dirs = check(config)
+  names = tuple(dirs)
+  data_free = merge.is_run_list(config.experts)
   settings = settings_from(config.merge, len(dirs))
   rules = merge.parse_overrides(config.merge.overrides)
   base = runs.load_params(config.init, model_cfg, mesh)
@@ -101,10 +109,11 @@ def run(config, workdir: str):
   finally:
     ckpt.close()
 
-  test_sets = splits.eval_sets(config, config.eval.domains)
-  scalars = evaluator.make_eval_fn(config, model_cfg, tokenizer, test_sets,
-                                mesh)({"params": params}, 0)
-  runs.write_eval(workdir, 0)(scalars)
+  if not data_free:
+    test_sets = splits.eval_sets(config, config.eval.domains)
+    scalars = evaluator.make_eval_fn(config, model_cfg, tokenizer, test_sets,
+                                     mesh)({"params": params}, 0)
+    runs.write_eval(workdir, 0)(scalars)
   base_leaves = dict(named_leaves(base))
   found = geometry.task_vector_geometry(
       list(base_leaves), base_leaves.__getitem__, expert_leaves, names,

@@ -106,9 +106,9 @@ class Study:
     return out
 
   def child_config(self, name: str, **fields):
-    """``configs/<name>.py`` as this study runs it: its variant, its
-    overrides, the study's data directory, domains and mesh, and
-    ``fields``."""
+    """``configs/<name>.py`` as this study runs it: its variant, the
+    overrides of every step (``overrides.all``) then its own, the study's
+    data directory, domains and mesh, and ``fields``."""
     for key, value in self.config.mesh.items():
       fields[f"mesh.{key}"] = value
     if self.config.data_dir:
@@ -117,8 +117,9 @@ class Study:
       fields["eval.domains"] = self.eval_domains
       if name in ("mix_rl", "mopd", "merge"):
         fields["data.domains"] = self.domains
-    return child_config(name, self.variant,
-                        self.config.overrides.get(name, ()), **fields)
+    overrides = (tuple(self.config.overrides.get("all", ()))
+                 + tuple(self.config.overrides.get(name, ())))
+    return child_config(name, self.variant, overrides, **fields)
 
   @functools.cached_property
   def eval_settings(self):

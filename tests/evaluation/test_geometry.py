@@ -62,3 +62,15 @@ def test_figures_are_png():
   taus = {"layers/up": [np.ones((2, 4, 2)) * (i + 1) for i in range(4)]}
   for data in geometry.figures(_geometry(taus)).values():
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_top_subspace_is_the_svd_subspace():
+  """The eigenvectors of ``a a^T`` span the top left singular vectors of
+  numpy's SVD (the same projection), for wide and tall updates."""
+  rng = np.random.default_rng(0)
+  for shape in ((12, 30), (12, 5)):
+    a = rng.normal(size=shape)
+    u = geometry.top_subspace(a, 4)
+    want = np.linalg.svd(a, full_matrices=False)[0][:, :4]
+    np.testing.assert_allclose(u @ u.T, want @ want.T, atol=1e-10)
+    assert geometry.subspace_overlap(u, want) == pytest.approx(1.0)

@@ -1,0 +1,293 @@
+"""Benchmark: one real Hugging Face checkpoint against transformers on the
+same weights, in one process (e.g. SmolLM2-135M-Instruct).
+
+    python experiments/bench_real_model.py --model=HF_DIR \
+        [--batches=16,64] [--new=128] [--repeats=3] [--cpu_devices=2] \
+        [--eval_file=sums.jsonl] [--train_rows=8] [--json=out.json]
+
+Prints, each against its baseline in this one run:
+* **sampling**: ours (``sampler.sample``) against transformers' ``generate``
+  on chat prompts of 64-128 tokens (the checkpoint's own chat template),
+  ``--new`` new tokens at temperature 1 with no early stop, at each batch
+  size; timed calls interleaved, medians of ``--repeats`` after a warm-up.
+  Our first call (compile included) is reported apart, and our time is
+  split into prefill and decode;
+* **a train step**: our jitted policy-gradient step (forward, backward,
+  AdamW) against a plain torch forward/backward/AdamW step of the same
+  model on the same ``--train_rows`` x (prompt + ``--new``) tokens;
+* **evaluate end to end** (with ``--eval_file``, a ``math`` JSONL): the
+  wall time of ``python -m mopd_jax.evaluate --run=HF_DIR`` (imports,
+  conversion, compiles, greedy and sampled decoding) against a
+  transformers loop over the same prompts in a fresh process (imports,
+  load, greedy and sampled ``generate`` per prompt, stopping at EOS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SENTENCES = (
+    "Ada has a basket of apples and gives some to her friends.",
+    "Each friend then buys a few more at the market.",
+    "The market sells apples in bags of four.",
+    "Some of the apples are red and the others are green.",
+    "Explain each step of your reasoning before the answer.",
+    "Write the final number on the last line.",
+)
+
+
+def chat_prompts(tokenizer, n: int, low: int = 64, high: int = 128,
+                 seed: int = 0) -> list[list[int]]:
+  """``n`` prompts (token ids through the chat template) of ``low`` to
+  ``high`` tokens: random sentences added until the prompt reaches a
+  length drawn in that range."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    goal = int(rng.integers(low, high + 1))
+    text, ids = "", tokenizer.prompt_ids("")
+    while len(ids) < goal:
+      candidate = (text + " " + SENTENCES[int(rng.integers(len(SENTENCES)))]
+                   ).strip()
+      ids_next = tokenizer.prompt_ids(candidate)
+      if len(ids_next) > high:
+        break
+      text, ids = candidate, ids_next
+    out.append(ids)
+  return out
+
+
+def left_padded(rows: list[list[int]], pad: int):
+  width = max(map(len, rows))
+  ids = np.full((len(rows), width), pad, np.int32)
+  mask = np.zeros_like(ids)
+  for b, row in enumerate(rows):
+    ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+  return ids, mask
+
+
+def our_sampler(cfg, params, ids, mask, new: int):
+  """``(first call seconds, run, prefill-only run)``: blocking sampler
+  calls over every device's share of the rows."""
+  import jax
+  from mopd_jax import parallel
+  from mopd_jax.rollout import sampler
+  sampling = sampler.SamplingConfig(max_new_tokens=new, stop_ids=())
+  mesh = parallel.make_mesh()
+  keys = iter(jax.random.split(jax.random.key(1), 1000))
+
+  def run():
+    with parallel.use_rules("dp"), parallel.activate(mesh):
+      return jax.block_until_ready(sampler.sample(params, cfg, ids, mask,
+                                                  next(keys), sampling))
+
+  def prefill():
+    with parallel.use_rules("dp"), parallel.activate(mesh):
+      p, m = parallel.shard_batch(mesh, (ids, mask))
+      return jax.block_until_ready(sampler._prefill(  # pylint: disable=protected-access
+          params, cfg, p, m, ids.shape[1] + new))
+
+  start = time.perf_counter()
+  run()
+  return time.perf_counter() - start, run, prefill
+
+
+def their_generate(model, ids, mask, new: int):
+  import torch
+  ids, mask = torch.from_numpy(ids).long(), torch.from_numpy(mask).long()
+  kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0,
+                top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
+                pad_token_id=0, eos_token_id=None)
+
+  def run():
+    with torch.inference_mode():
+      out = model.generate(ids, **kwargs)
+    assert out.shape[1] == ids.shape[1] + new
+  return run
+
+
+def our_train_step(cfg, params, tokens, prompt_len: int):
+  """A jitted step: ``-mean log pi(y_t)`` over the completion tokens
+  (the policy-gradient loss with unit advantages), its gradient, AdamW."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from mopd_jax.models import decoder
+  from mopd_jax.ops import vocab
+  optimizer = optax.adamw(1e-6)
+  state = [params, optimizer.init(params)]
+  segments = jnp.ones_like(tokens)
+  mask = jnp.zeros(tokens.shape, jnp.int32).at[:, prompt_len:].set(1)[:, 1:]
+
+  @jax.jit
+  def step(params, opt):
+    def loss_fn(p):
+      h, _ = decoder.hidden_states(p, cfg, tokens, segments)
+      lp = vocab.token_logprobs(h[:, :-1], decoder.output_weight(p, cfg),
+                                tokens[:, 1:], mask=mask)
+      return -jnp.sum(lp * mask) / jnp.sum(mask)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt = optimizer.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt, loss
+
+  def run():
+    state[0], state[1], loss = step(*state)
+    jax.block_until_ready(loss)
+  return run
+
+
+def their_train_step(model, tokens, prompt_len: int):
+  import torch
+  ids = torch.from_numpy(np.asarray(tokens)).long()
+  labels = ids.clone()
+  labels[:, :prompt_len] = -100
+  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+  def run():
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    optimizer.step()
+  return run
+
+
+def transformers_eval_loop(model_dir: str, eval_file: str, new: int) -> None:
+  """What ``evaluate`` does, as a plain transformers loop: every prompt's
+  chat text, greedy and sampled ``generate`` one prompt at a time,
+  stopping at the checkpoint's EOS."""
+  import torch
+  import transformers
+  tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      model_dir, dtype=torch.float32).eval()
+  for line in open(eval_file, encoding="utf-8"):
+    question = json.loads(line)["question"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True,
+        return_tensors="pt", return_dict=True)["input_ids"]
+    for sample in (True, False):
+      with torch.inference_mode():
+        model.generate(ids, max_new_tokens=new, do_sample=sample,
+                       temperature=1.0 if sample else None, top_k=0 if sample
+                       else None, top_p=1.0 if sample else None)
+
+
+def _wall(cmd) -> float:
+  start = time.perf_counter()
+  result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, XLA_FLAGS=""))
+  if result.returncode:
+    raise SystemExit(f"{' '.join(cmd)} failed: {result.stderr[-2000:]}")
+  return time.perf_counter() - start
+
+
+def bench_evaluate(model_dir: str, eval_file: str, new: int, out_dir: str,
+                   cpu_devices: int):
+  """``(ours seconds, transformers seconds, prompts)`` end to end."""
+  prompts = sum(1 for _ in open(eval_file, encoding="utf-8"))
+  # Every line of the file is a test prompt (splits would hold some back).
+  ours = _wall([
+      sys.executable, "-m", "mopd_jax.evaluate", f"--run={model_dir}",
+      f"--domains=math:{eval_file}", f"--num_prompts={prompts}",
+      f"--output={os.path.join(out_dir, 'eval.json')}",
+      f"--settings={ROOT}/configs/mix_rl.py",
+      "--settings.data.max_prompt_len=512",
+      f"--settings.sampling.max_new_tokens={new}",
+      f"--settings.mesh.cpu_devices={cpu_devices}"])
+  theirs = _wall([sys.executable, os.path.abspath(__file__),
+                  f"--model={model_dir}", f"--eval_file={eval_file}",
+                  f"--new={new}", "--transformers_eval_loop"])
+  return ours, theirs, prompts
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", required=True)
+  parser.add_argument("--batches", default="16,64")
+  parser.add_argument("--new", type=int, default=128)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--train_rows", type=int, default=8)
+  parser.add_argument("--cpu_devices", type=int, default=1)
+  parser.add_argument("--eval_file", default="")
+  parser.add_argument("--eval_new", type=int, default=160)
+  parser.add_argument("--json", default="")
+  parser.add_argument("--transformers_eval_loop", action="store_true",
+                      help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.transformers_eval_loop:
+    return transformers_eval_loop(args.model, args.eval_file, args.new)
+  from mopd_jax import parallel
+  parallel.use_cpu_devices(args.cpu_devices)
+  import jax
+  import torch
+  import transformers
+  from mopd_jax import convert, runs
+  from mopd_jax.models import tokenizer as tokenizer_lib
+  from mopd_jax.timing import interleaved, timed
+  tok = tokenizer_lib.of_run(args.model)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      args.model, dtype=torch.float32).eval()
+  figures = {"devices": jax.device_count(), "new": args.new}
+  with contextlib.ExitStack() as stack:
+    run_dir = stack.enter_context(convert.as_run(args.model))
+    cfg, params = runs.final_model(run_dir)
+    print(f"backend={jax.default_backend()} devices={jax.device_count()}"
+          f" params={cfg.num_params():,} layers={cfg.num_layers}"
+          f" vocab={cfg.vocab_size}")
+    for batch in map(int, args.batches.split(",")):
+      ids, mask = left_padded(chat_prompts(tok, batch), tok.pad_id)
+      first, ours, prefill = our_sampler(cfg, params, ids, mask, args.new)
+      ours_s, theirs_s = interleaved(
+          (ours, their_generate(model, ids, mask, args.new)), args.repeats)
+      prefill_s = timed(prefill, args.repeats)
+      tokens = batch * args.new
+      figures[f"sample_b{batch}"] = row = dict(
+          prompt_tokens=int(mask.sum()), width=int(ids.shape[1]),
+          ours_tokens_s=tokens / ours_s, theirs_tokens_s=tokens / theirs_s,
+          ratio=theirs_s / ours_s, first_call_s=first, ours_s=ours_s,
+          prefill_s=prefill_s, decode_s=ours_s - prefill_s)
+      print(f"batch {batch:3d}: sampler {row['ours_tokens_s']:7.0f} tokens/s,"
+            f" generate {row['theirs_tokens_s']:7.0f}: {row['ratio']:.2f}x"
+            f" (first call {first:.1f} s with compile; prefill"
+            f" {prefill_s:.2f} s + decode {ours_s - prefill_s:.2f} s)")
+    prompts = left_padded(chat_prompts(tok, args.train_rows), tok.pad_id)[0]
+    prompt_len = prompts.shape[1]
+    completions = np.random.default_rng(3).integers(
+        3, tok.vocab_size, (args.train_rows, args.new), dtype=np.int32)
+    tokens = np.concatenate([prompts, completions], axis=1)
+    ours_s, theirs_s = interleaved(
+        (our_train_step(cfg, params, tokens, prompt_len),
+         their_train_step(model.train(), tokens, prompt_len)), args.repeats)
+    n = tokens.size
+    figures["train_step"] = row = dict(
+        tokens=n, ours_tokens_s=n / ours_s, theirs_tokens_s=n / theirs_s,
+        ratio=theirs_s / ours_s)
+    print(f"train step ({args.train_rows} x {tokens.shape[1]}): ours"
+          f" {row['ours_tokens_s']:.0f} tokens/s, torch"
+          f" {row['theirs_tokens_s']:.0f}: {row['ratio']:.2f}x")
+  if args.eval_file:
+    out_dir = os.path.dirname(os.path.abspath(args.json or args.eval_file))
+    ours_s, theirs_s, n = bench_evaluate(args.model, args.eval_file,
+                                         args.eval_new, out_dir,
+                                         args.cpu_devices)
+    figures["evaluate"] = dict(prompts=n, new=args.eval_new, ours_s=ours_s,
+                               theirs_s=theirs_s, ratio=theirs_s / ours_s)
+    print(f"evaluate end to end ({n} prompts, greedy and sampled,"
+          f" {args.eval_new} new tokens): ours {ours_s:.1f} s, transformers"
+          f" loop {theirs_s:.1f} s: {theirs_s / ours_s:.2f}x")
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(figures, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,201 @@
+"""A real instruct checkpoint end to end: SmolLM2-135M-Instruct (Llama, 30
+layers, ChatML) against transformers on the same weights: the chat
+prompts it renders, per-token log-probs of chat and plain lines, greedy
+tokens, export and reload, and one GRPO, one MOPD and one merge run
+through the ordinary command lines."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from conftest import ROOT, train_cli  # noqa: E402
+from mopd_jax import convert, runs  # noqa: E402
+from mopd_jax.data import batching  # noqa: E402
+from mopd_jax.models import tokenizer as tokenizer_lib  # noqa: E402
+from mopd_jax.rollout import sampler  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("real_model")
+
+PROMPTS = ("What is 12 + 30?", "Write one word in capital letters.",
+           "Name a colour.", "Say hi to Ada, then stop.")
+
+
+@pytest.fixture(scope="module")
+def theirs(smollm2_hf):
+  """transformers' model and tokenizer of the checkpoint."""
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      smollm2_hf, dtype=torch.float32).eval()
+  return model, transformers.AutoTokenizer.from_pretrained(smollm2_hf)
+
+
+def _chat_ids(tokenizer, prompt):
+  ids = tokenizer.apply_chat_template(
+      [{"role": "user", "content": prompt}], add_generation_prompt=True,
+      tokenize=True)
+  return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(
+      ids, "keys") else ids)
+
+
+def _their_logprobs(model, ids):
+  """log softmax of transformers' logits at every position of ``ids``."""
+  with torch.no_grad():
+    logits = model(torch.tensor([ids])).logits[0].double()
+  return torch.log_softmax(logits, -1).numpy()
+
+
+def test_chat_prompts_render_as_transformers_renders_them(smollm2_hf,
+                                                          theirs):
+  _, their_tok = theirs
+  ours = tokenizer_lib.of_run(smollm2_hf)
+  assert ours.template is not None  # found in chat_template.jinja
+  assert ours.stop_ids == (2,) and ours.eos_id == 2
+  for prompt in PROMPTS:
+    ids = ours.prompt_ids(prompt)
+    assert ids == _chat_ids(their_tok, prompt)
+    assert their_tok.decode(ids).startswith("<|im_start|>system\n")
+  # A completion: up to its first stop token, special tokens dropped.
+  blue = ours.encode("Blue")
+  assert ours.decode([1] + blue + [2, 5, 6]) == their_tok.decode(
+      [1] + blue, skip_special_tokens=True) == "Blue"
+
+
+def test_score_on_the_checkpoint_matches_transformers(tmp_path, smollm2_hf,
+                                                      theirs):
+  """``score --model=<checkpoint dir>``: chat-formatted prompt/completion
+  lines and plain text, to 1e-4 of transformers' log-probs; nothing is
+  written into the checkpoint."""
+  model, their_tok = theirs
+  lines = [{"prompt": PROMPTS[0], "completion": "12 + 30 = 42."},
+           {"prompt": PROMPTS[2], "completion": "Blue"},
+           {"text": "The capital of France is Paris."}]
+  path = tmp_path / "in.jsonl"
+  path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+  before = sorted(os.listdir(smollm2_hf))
+  out = tmp_path / "out.jsonl"
+  result = subprocess.run(
+      [sys.executable, "-m", "mopd_jax.score", f"--model={smollm2_hf}",
+       f"--input={path}", f"--output={out}"], capture_output=True, text=True,
+      timeout=600, cwd=ROOT)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert sorted(os.listdir(smollm2_hf)) == before
+  records = [json.loads(r) for r in out.read_text().splitlines()]
+  for line, record in zip(lines, records):
+    if "text" in line:
+      ids = their_tok(line["text"])["input_ids"]
+      first = 1
+    else:
+      prompt = _chat_ids(their_tok, line["prompt"])
+      ids = prompt + their_tok(line["completion"], add_special_tokens=False
+                               )["input_ids"] + [their_tok.eos_token_id]
+      first = len(prompt)
+    assert record["tokens"] == ids[first:]
+    want = _their_logprobs(model, ids)[np.arange(first - 1, len(ids) - 1),
+                                       ids[first:]]
+    np.testing.assert_allclose(record["logprobs"], want, atol=1e-4)
+  assert records[0]["pieces"][-1] == "<|im_end|>"
+
+
+def test_greedy_tokens_are_transformers_greedy_tokens(smollm2_run, theirs):
+  model, _ = theirs
+  tok = tokenizer_lib.of_run(smollm2_run)
+  cfg, params = runs.final_model(smollm2_run)
+  tokens, mask = batching.encode_prompts(PROMPTS, tok, 128, fit=True)
+  greedy = sampler.SamplingConfig(max_new_tokens=32, temperature=0.0,
+                                  stop_ids=tok.stop_ids, pad_id=tok.pad_id)
+  rollout = sampler.sample(params, cfg, jnp.asarray(tokens),
+                           jnp.asarray(mask), jax.random.key(0), greedy)
+  for row, prompt in enumerate(PROMPTS):
+    ids = torch.tensor([tok.prompt_ids(prompt)])
+    with torch.no_grad():
+      want = model.generate(ids, max_new_tokens=32, do_sample=False
+                            )[0, ids.shape[1]:].tolist()
+    got = np.asarray(rollout.completion[row])
+    assert got[:int(np.asarray(rollout.mask[row]).sum())].tolist() == want
+
+
+def test_export_reloads_in_transformers_with_its_logits_and_chat(
+    tmp_path, smollm2_run, theirs):
+  model, their_tok = theirs
+  out = tmp_path / "exported"
+  convert.export_run(smollm2_run, str(out))
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      out, dtype=torch.float32).eval()
+  reloaded_tok = transformers.AutoTokenizer.from_pretrained(out)
+  ids = _chat_ids(their_tok, PROMPTS[1]) + [504, 1690, 2]
+  with torch.no_grad():
+    np.testing.assert_array_equal(reloaded(torch.tensor([ids])).logits,
+                                  model(torch.tensor([ids])).logits)
+  for prompt in PROMPTS:
+    assert _chat_ids(reloaded_tok, prompt) == _chat_ids(their_tok, prompt)
+  generation = json.loads((out / "generation_config.json").read_text())
+  assert generation["eos_token_id"] in (2, [2])
+
+
+def _math_file(path, n=24):
+  """Templated arithmetic word problems with exact answers."""
+  rng = np.random.default_rng(0)
+  with open(path, "w") as f:
+    for _ in range(n):
+      a, b = (int(x) for x in rng.integers(2, 40, 2))
+      f.write(json.dumps({
+          "question": f"Ada has {a} apples and buys {b} more. How many"
+                      " apples does she have now?",
+          "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n")
+  return str(path)
+
+
+# One CPU device (not the suite's 8): a batch of 4 sequences is allowed.
+ONE_DEVICE = dict(os.environ, XLA_FLAGS="")
+# A GRPO or MOPD step as small as the real model allows on two cores.
+TINY = ("--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
+        "--config.rl.minibatches=1", "--config.sampling.max_new_tokens=8",
+        "--config.data.max_prompt_len=128", "--config.train.steps=1",
+        "--config.train.eval_every=0", "--config.eval.num_prompts=2",
+        "--config.eval.batch_size=2", "--config.eval.greedy=False",
+        "--config.checkpoint.every=1")
+
+
+def test_grpo_and_mopd_steps_and_a_merge_on_the_real_model(
+    tmp_path, smollm2_run):
+  domain = "math:" + _math_file(tmp_path / "sums.jsonl")
+  grpo = tmp_path / "grpo"
+  result = train_cli("--config=configs/grpo.py", f"--workdir={grpo}",
+                     f"--config.init={smollm2_run}",
+                     f"--config.domain={domain}", "--config.stop.gain=0",
+                     f"--config.eval.domains=('{domain}',)", *TINY,
+                     timeout=900, env=ONE_DEVICE)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert runs.finished(grpo)
+  # The model as its own teacher: the KL is 0 at step 0, to the float32
+  # rounding between the teacher's scoring pass and the student's own
+  # (measured: 4e-7 for the exact KL, 7e-7 per sampled token).
+  mopd = tmp_path / "mopd"
+  result = train_cli("--config=configs/mopd.py", f"--workdir={mopd}",
+                     f"--config.init={smollm2_run}",
+                     f"--config.teachers={domain}={smollm2_run}",
+                     f"--config.data.domains=('{domain}',)",
+                     f"--config.eval.domains=('{domain}',)", *TINY,
+                     timeout=900, env=ONE_DEVICE)
+  assert result.returncode == 0, result.stderr[-2000:]
+  first = json.loads((mopd / "metrics.jsonl").read_text().splitlines()[0])
+  assert abs(first["loss"]) < 1e-5 and abs(first["signal"]) < 1e-5, first
+  # A data-free merge of the model with its GRPO-trained copy.
+  merged = tmp_path / "merged"
+  result = train_cli("--config=configs/merge.py", f"--workdir={merged}",
+                     f"--config.init={smollm2_run}",
+                     f"--config.experts={grpo},{mopd}",
+                     "--config.merge.lambda=0.5", timeout=900,
+                     env=ONE_DEVICE)
+  assert result.returncode == 0, result.stderr[-2000:]
+  cfg, params = runs.final_model(merged)
+  assert cfg.num_layers == 30 and runs.finished(merged)
+  assert not (merged / runs.EVAL_FILE).exists()  # no data, no evaluation
