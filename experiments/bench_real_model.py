@@ -83,6 +83,7 @@ def our_sampler(cfg, params, ids, mask, new: int):
   from mopd_jax.rollout import sampler
   sampling = sampler.SamplingConfig(max_new_tokens=new, stop_ids=())
   mesh = parallel.make_mesh()
+  params = jax.device_put(params, parallel.replicated(mesh))
   keys = iter(jax.random.split(jax.random.key(1), 1000))
 
   def run():
@@ -214,6 +215,8 @@ def main(argv=None):
   parser.add_argument("--model", required=True)
   parser.add_argument("--batches", default="16,64")
   parser.add_argument("--new", type=int, default=128)
+  parser.add_argument("--prompt_tokens", default="64,128",
+                      help="the chat prompts' shortest and longest")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--train_rows", type=int, default=8)
   parser.add_argument("--cpu_devices", type=int, default=1)
@@ -236,6 +239,7 @@ def main(argv=None):
   tok = tokenizer_lib.of_run(args.model)
   model = transformers.AutoModelForCausalLM.from_pretrained(
       args.model, dtype=torch.float32).eval()
+  low, high = map(int, args.prompt_tokens.split(","))
   figures = {"devices": jax.device_count(), "new": args.new}
   with contextlib.ExitStack() as stack:
     run_dir = stack.enter_context(convert.as_run(args.model))
@@ -244,7 +248,8 @@ def main(argv=None):
           f" params={cfg.num_params():,} layers={cfg.num_layers}"
           f" vocab={cfg.vocab_size}")
     for batch in map(int, args.batches.split(",")):
-      ids, mask = left_padded(chat_prompts(tok, batch), tok.pad_id)
+      ids, mask = left_padded(chat_prompts(tok, batch, low, high),
+                              tok.pad_id)
       first, ours, prefill = our_sampler(cfg, params, ids, mask, args.new)
       ours_s, theirs_s = interleaved(
           (ours, their_generate(model, ids, mask, args.new)), args.repeats)
@@ -259,7 +264,8 @@ def main(argv=None):
             f" generate {row['theirs_tokens_s']:7.0f}: {row['ratio']:.2f}x"
             f" (first call {first:.1f} s with compile; prefill"
             f" {prefill_s:.2f} s + decode {ours_s - prefill_s:.2f} s)")
-    prompts = left_padded(chat_prompts(tok, args.train_rows), tok.pad_id)[0]
+    prompts = left_padded(chat_prompts(tok, args.train_rows, low, high),
+                          tok.pad_id)[0]
     prompt_len = prompts.shape[1]
     completions = np.random.default_rng(3).integers(
         3, tok.vocab_size, (args.train_rows, args.new), dtype=np.int32)

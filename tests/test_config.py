@@ -200,3 +200,41 @@ def test_hf_variants_validate_with_the_real_model_settings(name):
     assert config.optim.learning_rate == 1e-6
     rl = config.rl
     assert rl.prompts_per_step * rl.group_size // rl.minibatches == 32
+
+
+# mergekit's parameters as configs/merge.py and the README name them.
+MERGE_FLAGS = {"method": ("ties", "ties"), "lambda": ("0.8", 0.8),
+               "density": ("0.5", 0.5), "gamma": ("0.02", 0.02),
+               "t": ("0.3", 0.3), "weights": ("(1.0,2.0)", (1.0, 2.0)),
+               "normalize": ("off", "off"), "tolerance": ("0.1", 0.1),
+               "rescale": ("False", False)}
+
+
+def test_every_merge_parameter_is_settable_from_the_command_line():
+  """``--config.merge.<name>=...`` for each, ``lambda`` (a Python keyword)
+  included, parsed as the entry points parse it (in a fresh process: absl
+  flags are global)."""
+  import json
+  import subprocess
+  import sys
+  script = (
+      "import json, sys\n"
+      "from absl import flags\n"
+      "from ml_collections import config_flags\n"
+      "from mopd_jax import cli\n"
+      "cli._split_dotted_paths()\n"
+      "config_flags.DEFINE_config_file('config')\n"
+      "flags.FLAGS(sys.argv)\n"
+      "print(json.dumps(flags.FLAGS.config.merge.to_dict()))\n")
+  result = subprocess.run(
+      [sys.executable, "-c", script, f"--config={ROOT}/configs/merge.py"]
+      + [f"--config.merge.{k}={text}" for k, (text, _) in MERGE_FLAGS.items()],
+      capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert result.returncode == 0, result.stderr[-2000:]
+  merge = json.loads(result.stdout.strip().splitlines()[-1])
+  for key, (_, want) in MERGE_FLAGS.items():
+    got = merge[key]
+    assert (tuple(got) if isinstance(want, tuple) else got) == want, key
+  assert set(MERGE_FLAGS) >= set(merge) - {
+      "overrides", "sweep", "sweep_lambdas", "sweep_densities",
+      "sweep_prompts"}

@@ -96,7 +96,12 @@ def test_choices_are_appended_and_parquet_reads(tmp_path):
     ("math", {"answer": "#### 1"}, "missing field 'prompt' or 'question'"),
     ("choice", {"prompt": "p", "answer": "maybe"}, "one letter A-J"),
     ("constraints", {"prompt": "p", "constraints": [{"type": "rhyme"}]},
-     "'type' must be one of"),
+     "'type' must be an IFEval instruction id or one of"),
+    ("constraints", {"prompt": "p", "instruction_id_list": [
+        "length_constraints:number_words"], "kwargs": [
+            {"relation": "about", "num_words": 3}]}, "supported relation"),
+    ("constraints", {"prompt": "p", "instruction_id_list": [
+        "punctuation:no_comma"], "kwargs": []}, "one 'kwargs' object"),
     ("constraints", {"prompt": "p", "constraints": [{"type": "min_words"}]},
      "needs 'value'"),
 ])
@@ -114,3 +119,29 @@ def test_a_bad_record_names_file_and_line(tmp_path, kind, record, words):
 def test_unknown_kind_lists_the_file_kinds():
   with pytest.raises(DataError, match=r"math\|choice\|constraints:<path>"):
     domains.get_domain("poetry:/tmp/x.jsonl")
+
+
+def test_ifeval_records_are_graded_by_if_verifiable(tmp_path):
+  """IFEval's record format and instruction ids, graded strictly by the
+  IFEval verifiers (if-verifiable is the reference): every instruction
+  must hold, ours and theirs mixed in one record."""
+  from if_verifiable.common import evaluate_instructions
+  from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
+  ids = ["punctuation:no_comma", "length_constraints:number_words"]
+  kwargs = [{}, {"relation": "less than", "num_words": 6}]
+  path = tmp_path / "ifeval.jsonl"
+  path.write_text(json.dumps({"prompt": "Say hi.", "instruction_id_list":
+                              ids, "kwargs": kwargs}) + "\n" + json.dumps({
+      "prompt": "Say hi.", "constraints": [{"type": "max_chars",
+                                             "value": 12},
+                                            {"type": ids[0]}]}) + "\n")
+  spec = domains.get_domain(f"constraints:{path}")
+  ifeval, mixed = spec.records
+  for text in ("hello there", "hello, there", "one two three four five six",
+               "hi"):
+    _, scores = evaluate_instructions(text, ids, kwargs, "Say hi.",
+                                      INSTRUCTION_DICT)
+    assert spec.verify(text, ifeval.answer) == scores.binary_strict
+  assert spec.verify("hello there", mixed.answer) == 1.0
+  assert spec.verify("hello, there", mixed.answer) == 0.0  # their comma
+  assert spec.verify("hello there again", mixed.answer) == 0.0  # our count

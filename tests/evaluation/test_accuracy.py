@@ -54,3 +54,22 @@ def test_format_table():
                               "sampled", "len"]
   assert lines[2].split() == ["add", "25.0%", "50.0%", "3.0"]
   assert len(lines) == 3
+
+
+def test_a_few_prompts_cost_a_few_rows(monkeypatch):
+  """3 prompts of a batch size of 128: 4 rows (the next power of two),
+  as wide as the longest needs (16 of the 64 allowed)."""
+  from mopd_jax.rollout import sampler
+  params = decoder.init_params(CFG, jax.random.key(0))
+  shapes, sample = [], sampler.sample
+
+  def recorded(params, cfg, prompt, mask, key, sampling):
+    shapes.append((prompt.shape, int(mask.sum())))
+    return sample(params, cfg, prompt, mask, key, sampling)
+
+  monkeypatch.setattr(sampler, "sample", recorded)
+  prompts = ["add 1+2=", "rev ab:", "sort ba:"]
+  accuracy.generate(params, CFG, TOK, prompts,
+                    SamplingConfig(max_new_tokens=3, temperature=0.0),
+                    jax.random.key(0), 128, 64)
+  assert shapes == [((4, 16), sum(len(p) + 1 for p in prompts))]

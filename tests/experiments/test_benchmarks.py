@@ -62,3 +62,31 @@ def test_bench_mopd_smoke(tmp_path, data_dir, smoke_run):
   summary = json.loads((tmp_path / "runs" / "mopd_2_add" / "summary.json"
                         ).read_text())
   assert summary["devices"] == 2  # mesh.cpu_devices, not the 8 of XLA_FLAGS
+
+
+def test_bench_real_model_and_real_data_smoke(tmp_path):
+  """On a tiny Llama checkpoint with a chat template, as transformers
+  saves one; the data files of experiments/real_data.py as the eval file."""
+  import torch
+  import transformers
+  from test_hf_tokenizer import save_tokenizer
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=128, hidden_size=32, intermediate_size=48,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      head_dim=8)).to(torch.float32)
+  model.save_pretrained(tmp_path / "hf")
+  save_tokenizer(tmp_path / "hf")
+  result = _run("real_data.py", f"--out={tmp_path / 'data'}", "--n=4")
+  assert result.returncode == 0, result.stderr[-3000:]
+  sums = tmp_path / "data" / "sums.jsonl"
+  assert len(sums.read_text().splitlines()) == 4
+  out = tmp_path / "real.json"
+  result = _run("bench_real_model.py", f"--model={tmp_path / 'hf'}",
+                "--batches=2", "--new=3", "--repeats=1", "--train_rows=2",
+                "--prompt_tokens=8,16", f"--eval_file={sums}",
+                "--eval_new=3", f"--json={out}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  figures = json.loads(out.read_text())
+  for key in ("sample_b2", "train_step", "evaluate"):
+    assert figures[key]["ratio"] > 0, key
+  assert figures["sample_b2"]["first_call_s"] > 0

@@ -121,3 +121,23 @@ def test_greedy_takes_argmax(setup):
   pred = np.asarray(jnp.argmax(logits[:, P - 1:-1], -1))
   m = np.asarray(out.mask, bool)
   np.testing.assert_array_equal(pred[m], np.asarray(out.completion)[m])
+
+
+def test_empty_rows_are_never_decoded_and_change_nothing(setup):
+  """Rows without a prompt token (padding of a short batch) are done at
+  once (no tokens, mask 0); the real rows decode as in a batch without
+  them (greedy: the same tokens), and any stop id ends a row."""
+  params, prompt, mask = setup
+  greedy = sampler.SamplingConfig(max_new_tokens=16, temperature=0.0,
+                                  stop_ids=(EOS, 7))
+  alone = sampler.sample(params, CFG, prompt, mask, jax.random.key(0), greedy)
+  padded = sampler.sample(
+      params, CFG, jnp.pad(prompt, ((0, 3), (0, 0))),
+      jnp.pad(mask, ((0, 3), (0, 0))), jax.random.key(0), greedy)
+  np.testing.assert_array_equal(padded.completion[:5], alone.completion)
+  np.testing.assert_array_equal(padded.mask[:5], alone.mask)
+  assert np.asarray(padded.mask[5:]).sum() == 0
+  comp, m = np.asarray(alone.completion), np.asarray(alone.mask)
+  for row, length in zip(comp, m.sum(1)):
+    assert not set(row[:length - 1]) & {EOS, 7}  # stops at the first
+    assert length == 16 or row[length - 1] in (EOS, 7)
