@@ -50,30 +50,59 @@ FAMILIES = {"llama": {}, "qwen2": {"attention_bias": True},
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def model_config(fields: dict, path: str, param_dtype: str = "float32"
+# config.json fields the decoder computes one way only: each must be absent
+# or have one of the values given, else the import is refused rather than
+# give a model that computes something else.
+COMPUTED_AS = {"hidden_act": ("silu", "swish"),
+               "hidden_activation": ("silu", "swish"),
+               "mlp_bias": (False,), "use_sliding_window": (False,),
+               "partial_rotary_factor": (1, 1.0),
+               "quantization_config": (None, {}), "pretraining_tp": (1,),
+               "attention_dropout": (0, 0.0)}
+
+
+def model_config(fields, path: str, param_dtype: str = "float32"
                  ) -> ModelConfig:
   """Our ``ModelConfig`` from a Hugging Face ``config.json`` (``path``
-  names it in errors), its weights stored as ``param_dtype``."""
+  names it in errors), its weights stored as ``param_dtype``. Only what
+  the decoder implements is accepted: a field of ``COMPUTED_AS`` with
+  another value, rope scaling, a non-positive size or an impossible head
+  layout is a ``CheckpointError``."""
+  if not isinstance(fields, dict):
+    raise CheckpointError(f"{path}: expected a JSON object, got"
+                          f" {type(fields).__name__}")
   family = fields.get("model_type")
   if family not in FAMILIES:
     raise CheckpointError(f"{path}: model_type {family!r} is not supported"
                           f" (supported: {', '.join(FAMILIES)})")
+  for key, accepted in COMPUTED_AS.items():
+    if key in fields and fields[key] not in accepted:
+      raise CheckpointError(f"{path}: {key} = {fields[key]!r} is not"
+                            " supported (the decoder computes"
+                            f" {' or '.join(map(repr, accepted))})")
+  if family == "llama" and fields.get("attention_bias"):
+    raise CheckpointError(f"{path}: attention_bias = true: a Llama with"
+                          " projection biases is not supported")
+  rope_parameters = fields.get("rope_parameters") or {}
+  if not isinstance(rope_parameters, dict):
+    raise CheckpointError(f"{path}: rope_parameters: expected an object,"
+                          f" got {type(rope_parameters).__name__}")
   try:
     heads = int(fields["num_attention_heads"])
     hidden = int(fields["hidden_size"])
-    rope = fields.get("rope_theta") or (fields.get("rope_parameters") or {}
-                                        ).get("rope_theta", 10_000.0)
-    scaling = fields.get("rope_scaling") or (
-        fields.get("rope_parameters") or {}).get("rope_type", "default")
+    rope = fields.get("rope_theta") or rope_parameters.get("rope_theta",
+                                                           10_000.0)
+    scaling = fields.get("rope_scaling") or rope_parameters.get(
+        "rope_type", "default")
     if scaling not in (None, "default") and not (
         isinstance(scaling, dict) and scaling.get("rope_type") == "default"):
       raise CheckpointError(f"{path}: rope scaling {scaling!r} is not"
                             " supported")
-    return ModelConfig(
+    cfg = ModelConfig(
         vocab_size=int(fields["vocab_size"]), embed_dim=hidden,
         num_layers=int(fields["num_hidden_layers"]), num_heads=heads,
         num_kv_heads=int(fields.get("num_key_value_heads") or heads),
-        head_dim=int(fields.get("head_dim") or hidden // heads),
+        head_dim=int(fields.get("head_dim") or hidden // max(heads, 1)),
         mlp_dim=int(fields["intermediate_size"]), rope_theta=float(rope),
         norm_eps=float(fields.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(fields.get("tie_word_embeddings", False)),
@@ -81,8 +110,28 @@ def model_config(fields: dict, path: str, param_dtype: str = "float32"
         **{k: v for k, v in FAMILIES[family].items()})
   except KeyError as e:
     raise CheckpointError(f"{path}: no {e.args[0]} field") from None
-  except (TypeError, ValueError) as e:
+  except (TypeError, ValueError, OverflowError) as e:
     raise CheckpointError(f"{path}: {reason(e)}") from None
+  for name, value in (("vocab_size", cfg.vocab_size),
+                      ("hidden_size", cfg.embed_dim),
+                      ("num_hidden_layers", cfg.num_layers),
+                      ("num_attention_heads", cfg.num_heads),
+                      ("num_key_value_heads", cfg.num_kv_heads),
+                      ("head_dim", cfg.head_dim),
+                      ("intermediate_size", cfg.mlp_dim)):
+    if value <= 0:
+      raise CheckpointError(f"{path}: {name} = {value}: must be > 0")
+  if cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
+    raise CheckpointError(
+        f"{path}: head_dim {cfg.head_dim} must be even and"
+        f" num_key_value_heads {cfg.num_kv_heads} must divide"
+        f" num_attention_heads {cfg.num_heads}")
+  if not (0 < cfg.rope_theta < float("inf")) or not (
+      0 < cfg.norm_eps < float("inf")):
+    raise CheckpointError(f"{path}: rope_theta {cfg.rope_theta} and"
+                          f" rms_norm_eps {cfg.norm_eps} must be finite and"
+                          " > 0")
+  return cfg
 
 
 def _read_json(path: str) -> dict:
@@ -97,31 +146,52 @@ def _read_json(path: str) -> dict:
 
 class Tensors(Mapping):
   """``{name: array}`` over a checkpoint's safetensors files, each tensor
-  read when it is looked up."""
+  read when it is looked up. Files named by the index must lie inside
+  ``hf_dir`` (after symlinks); a file safetensors cannot read (truncated,
+  a corrupt header, bad offsets) is a ``CheckpointError`` naming it."""
 
   def __init__(self, hf_dir: str, stack: contextlib.ExitStack):
     from safetensors import safe_open
     index = os.path.join(hf_dir, INDEX_FILE)
     if os.path.exists(index):
-      files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+      weight_map = _read_json(index)
+      weight_map = weight_map.get("weight_map") if isinstance(
+          weight_map, dict) else None
+      if not isinstance(weight_map, dict) or not all(
+          isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map: expected an object of"
+                              " tensor name -> file name")
+      files = sorted(set(weight_map.values()))
     else:
       files = ["model.safetensors"]
+    root = os.path.realpath(hf_dir)
     self._where = {}
     for name in files:
       path = os.path.join(hf_dir, name)
+      if os.path.commonpath([root, os.path.realpath(path)]) != root:
+        raise CheckpointError(f"{index}: {name!r} lies outside {hf_dir}")
       try:
         handle = stack.enter_context(safe_open(path, framework="flax"))
-      except (OSError, ValueError) as e:
+        keys = list(handle.keys())
+      except Exception as e:  # pylint: disable=broad-except
+        # SafetensorError (a corrupt or truncated file) is no OSError.
         raise CheckpointError(f"{path}: unreadable ({reason(e)})") from None
-      for key in handle.keys():
+      for key in keys:
         self._where[key] = (handle, path)
 
   def __getitem__(self, name: str) -> np.ndarray:
     handle, path = self._where[name]
     try:
-      return np.asarray(handle.get_tensor(name))
-    except (OSError, ValueError, TypeError) as e:
+      value = np.asarray(handle.get_tensor(name))
+    except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(f"{path}: tensor {name}: {reason(e)}") from None
+    if not np.issubdtype(value.dtype, np.floating) and str(
+        value.dtype) != "bfloat16":
+      raise CheckpointError(f"{path}: tensor {name} has dtype {value.dtype};"
+                            " weights must be floating point")
+    if not np.isfinite(value.astype(np.float32)).all():
+      raise CheckpointError(f"{path}: tensor {name} holds NaN or inf")
+    return value
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._where)

@@ -8,6 +8,7 @@ this module, never through a stage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -99,6 +100,18 @@ def check_same_tokens(run_dir: str, run_config, tokenizer, field: str) -> None:
     raise CheckpointError(f"{field}: {run_dir} was trained with another"
                           f" tokenizer ({recorded} != "
                           f"{tokenizer.fingerprint()})")
+
+
+def check_same_vocabulary(run_dir: str, run_config, vocab_size: int,
+                          field: str) -> None:
+  """The run in ``run_dir`` has ``vocab_size`` embeddings, as the run it is
+  compared with token by token (a teacher of a student, a model of the
+  scored lines)."""
+  if run_config.model.get("vocab_size") != vocab_size:
+    raise CheckpointError(
+        f"{field}: {run_dir} has {run_config.model.get('vocab_size')}"
+        f" embeddings, this run {vocab_size}; their distributions cannot be"
+        " compared token by token")
 
 
 def resolve_model(config) -> None:
@@ -254,11 +267,25 @@ def load_params(run_dir: str, model_cfg, mesh):
                       param_shapes(model_cfg),
                       param_shardings(model_cfg, mesh))
   params = checkpointing.load_params(run_dir, like)
+  _warn_unfinished(run_dir)
+  check_finite(run_dir, params)
+  return params
+
+
+def _warn_unfinished(run_dir: str) -> None:
   if not finished(run_dir):
     print(f"warning: {run_dir} has not finished (no {SUMMARY_FILE}); using"
           f" its newest checkpoint, step {checkpointing.newest_step(run_dir)}",
           file=sys.stderr)
-  return params
+
+
+def check_finite(run_dir: str, params) -> None:
+  """A ``CheckpointError`` naming the first parameter of the run in
+  ``run_dir`` that holds NaN or inf (a diverged or poisoned run, whose
+  checksum is valid): it would spread into every run built from it."""
+  for name, leaf in checksum.named_leaves(params):
+    if not bool(jax.numpy.isfinite(leaf).all()):
+      raise CheckpointError(f"{run_dir}: parameter {name} holds NaN or inf")
 
 
 def final_model(run_dir: str, mesh=None):
@@ -300,14 +327,46 @@ def leaf_loader(run_dirs: Sequence[str], model_cfg, mesh):
       leaf = {part: leaf}
     return leaf
 
+  for run_dir in run_dirs:
+    _warn_unfinished(run_dir)
+
   def load(name):
     out = []
     for run_dir in run_dirs:
       tree = checkpointing.load_params(run_dir, nested(name, like[name]))
+      check_finite(run_dir, tree)
       out.append(dict(checksum.named_leaves(tree))[name])
     return out
 
   return load
+
+
+@contextlib.contextmanager
+def locked(workdir: str):
+  """Hold ``<workdir>/.lock`` (an OS file lock, released when the process
+  ends, even killed) while the body writes the workdir; a second writer is
+  a ``CheckpointError`` naming the holder's PID. One lock per process of a
+  multi-host run, whose hosts share the workdir."""
+  import fcntl
+  path = os.path.join(workdir, f".lock.{jax.process_index()}")
+  handle = open(path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+  try:
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    handle.seek(0)
+    holder = handle.read().strip() or "another process"
+    handle.close()
+    raise CheckpointError(f"{workdir} is being written by process {holder};"
+                          " wait for it to end or use another workdir"
+                          ) from None
+  try:
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    yield
+  finally:
+    handle.close()  # releases the lock
 
 
 def write_eval(workdir: str, step: int):

@@ -177,6 +177,10 @@ def main() -> None:
     model = load(f.model, "--model", tokenizer, stack)
     teacher = (load(f.teacher, "--teacher", tokenizer, stack) if f.teacher
                else None)
+    if teacher is not None and teacher[0].vocab_size != model[0].vocab_size:
+      raise UserError(f"--teacher: {teacher[0].vocab_size} embeddings,"
+                      f" --model {model[0].vocab_size}; their distributions"
+                      " cannot be compared token by token")
     records = score_lines(lines, tokenizer, model, teacher, f.batch_size)
   write_text_atomic(output, "".join(json.dumps(r) + "\n" for r in records))
   print(f"scored {len(records)} lines -> {output}")

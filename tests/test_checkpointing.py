@@ -180,3 +180,25 @@ def test_a_failed_save_never_costs_the_last_good_checkpoint(tmp_path):
   assert step == 2 and float(state["step"]) == 2
   assert ckpt.all_steps() == [2]  # the temporary directory does not count
   ckpt.close()
+
+
+def test_a_run_with_nan_parameters_is_refused_wherever_it_is_read(tmp_path):
+  """A poisoned run (valid checkpoint, NaN in one leaf) is one error naming
+  the parameter: as an init, a teacher or export (``load_params``) and as
+  a merge's expert (``leaf_loader``)."""
+  from mopd_jax import parallel, runs
+  cfg = ModelConfig(vocab_size=16, embed_dim=8, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=4, mlp_dim=16)
+  params = decoder.init_params(cfg, jax.random.key(0))
+  params["final_norm"] = params["final_norm"] * float("nan")
+  ckpt = Checkpointer(str(tmp_path), every=1, keep=1)
+  ckpt.save(0, {"params": params}, force=True)
+  ckpt.close()
+  mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1,
+                            devices=jax.devices()[:1])
+  with pytest.raises(CheckpointError, match="parameter final_norm holds NaN"):
+    runs.load_params(str(tmp_path), cfg, mesh)
+  with pytest.raises(CheckpointError, match="final_norm holds NaN"):
+    runs.leaf_loader([str(tmp_path)], cfg, mesh)("final_norm")
+  assert runs.leaf_loader([str(tmp_path)], cfg, mesh)("embed")[0].shape == (
+      16, 8)

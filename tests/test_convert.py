@@ -178,13 +178,24 @@ def test_cli_round_trip_and_one_line_errors(tmp_path):
     (dict(num_hidden_layers=1), ("model.layers.1", "not part")),
     (dict(vocab_size=30), ("40 ids", "30")),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ("yarn",)),
+    # what the decoder does not compute is refused, not run as SiLU
+    (dict(hidden_act="gelu"), ("hidden_act", "gelu")),
+    (dict(quantization_config={"quant_method": "gguf"}),
+     ("quantization_config",)),
+    (dict(num_attention_heads=0), ("must be > 0",)),
+    (dict(num_hidden_layers=-1), ("num_hidden_layers = -1",)),
+    (dict(rope_theta=-5), ("rope_theta",)),
+    (dict(rope_parameters=[1, 2], rope_theta=None), ("rope_parameters",)),
+    ([], ("expected a JSON object",)),
+    (None, ("expected a JSON object",)),
 ])
 def test_a_bad_checkpoint_is_one_error_and_leaves_nothing(tmp_path, change,
                                                           words):
   _, path = _saved(tmp_path, "qwen3")
   config = json.loads(open(os.path.join(path, "config.json")).read())
   with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(dict(config, **change), f)
+    json.dump(dict(config, **change) if isinstance(change, dict) else change,
+              f)
   out = tmp_path / "out"
   with pytest.raises(CheckpointError) as e:
     convert.import_hf(path, str(out))
@@ -192,3 +203,47 @@ def test_a_bad_checkpoint_is_one_error_and_leaves_nothing(tmp_path, change,
     assert w in str(e.value), str(e.value)
   assert not out.exists()
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".convert")]
+
+
+def _corrupt(path, how):
+  """The checkpoint at ``path`` damaged in one of the ways a download or a
+  hostile upload damages it."""
+  model = os.path.join(path, "model.safetensors")
+  data = open(model, "rb").read()
+  if how == "truncated":
+    open(model, "wb").write(data[:len(data) // 2])
+  elif how == "empty":
+    open(model, "wb").write(b"")
+  elif how == "huge_header":
+    open(model, "wb").write((2**62).to_bytes(8, "little") + data[8:])
+  elif how == "bad_header":
+    open(model, "wb").write(data[:8] + b"{not json" + data[17:])
+  elif how == "outside":
+    os.rename(model, os.path.join(os.path.dirname(path), "x.safetensors"))
+    json.dump({"weight_map": {"model.embed_tokens.weight":
+                              "../x.safetensors"}},
+              open(os.path.join(path, convert.INDEX_FILE), "w"))
+  elif how == "index_list":
+    json.dump([], open(os.path.join(path, convert.INDEX_FILE), "w"))
+  else:  # a tensor of another dtype, or holding NaN
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(model)
+    name = "model.norm.weight"
+    tensors[name] = (tensors[name].astype(np.int32) if how == "int"
+                     else tensors[name] * np.nan)
+    save_file(tensors, model)
+
+
+@pytest.mark.parametrize("how,words", [
+    ("truncated", "unreadable"), ("empty", "unreadable"),
+    ("huge_header", "unreadable"), ("bad_header", "unreadable"),
+    ("outside", "lies outside"), ("index_list", "weight_map"),
+    ("int", "dtype int32"), ("nan", "NaN"),
+])
+def test_a_damaged_or_hostile_checkpoint_is_refused(tmp_path, how, words):
+  _, path = _saved(tmp_path, "llama")
+  _corrupt(path, how)
+  out = tmp_path / "out"
+  with pytest.raises(CheckpointError, match=words):
+    convert.import_hf(path, str(out))
+  assert not out.exists()

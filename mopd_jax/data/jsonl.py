@@ -68,11 +68,34 @@ def json_records(path: str) -> list[tuple[str, dict]]:
     except json.JSONDecodeError as e:
       raise DataError(f"{where}: bad JSON: {e.msg} at column {e.colno}"
                       ) from None
+    except RecursionError:
+      raise DataError(f"{where}: JSON nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python reads
+      raise DataError(f"{where}: bad JSON: {e}") from None
     if not isinstance(record, dict):
       raise DataError(
           f"{where}: expected a JSON object, got {type(record).__name__}")
+    _check_text(record, where)
     records.append((where, record))
   return records
+
+
+def _check_text(value, where: str, depth: int = 0) -> None:
+  """Every string of a parsed line is valid Unicode (JSON's ``\ud800``
+  escapes decode to lone surrogates, which no tokenizer can encode)."""
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError:
+      raise DataError(f"{where}: a string holds a lone surrogate"
+                      f" ({value[:40]!r}), not text") from None
+  elif isinstance(value, dict) and depth < 64:
+    for key, item in value.items():
+      _check_text(key, where, depth + 1)
+      _check_text(item, where, depth + 1)
+  elif isinstance(value, list) and depth < 64:
+    for item in value:
+      _check_text(item, where, depth + 1)
 
 
 def _parse_record(record: dict, where: str,

@@ -14,7 +14,8 @@ import jax
 
 from mopd_jax import parallel
 from mopd_jax.errors import UserError
-from mopd_jax.runs import check_resumable, resolve_model, save_run_config
+from mopd_jax.runs import (check_resumable, locked, resolve_model,
+                           save_run_config)
 
 STAGES = {"pretrain": "mopd_jax.stages.pretrain", "grpo": "mopd_jax.stages.rl",
           "mix_rl": "mopd_jax.stages.rl", "mopd": "mopd_jax.stages.mopd",
@@ -40,14 +41,16 @@ def prepare_workdir(workdir: str) -> str:
 
 def run(config, workdir: str):
   """Run the validated ``config`` into ``workdir``: its stage's checks of
-  the runs it reads, then the workdir, resume checks, ``config.json`` and
-  the stage itself (a study runs its steps through here, in process)."""
+  the runs it reads, then, holding the workdir's lock, the resume checks,
+  ``config.json`` and the stage itself (a study runs its steps through
+  here, in process)."""
   resolve_model(config)
   stage = importlib.import_module(STAGES[config.method])
   if hasattr(stage, "check"):  # the runs it reads, before any writing
     stage.check(config)
   workdir = prepare_workdir(workdir)
-  check_resumable(config, workdir)
-  save_run_config(config, workdir)
-  with parallel.use_rules(config.mesh.rules):
-    return stage.run(config, workdir)
+  with locked(workdir):  # one writer at a time
+    check_resumable(config, workdir)
+    save_run_config(config, workdir)
+    with parallel.use_rules(config.mesh.rules):
+      return stage.run(config, workdir)

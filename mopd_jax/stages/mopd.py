@@ -240,13 +240,16 @@ class MOPD:
 
 
 def check(config) -> None:
-  """Every teacher names a run that shares the student's token ids (before
-  anything is written)."""
+  """Every teacher names a run that shares the student's token ids and its
+  vocabulary size (a larger teacher's KL would run over a truncated row),
+  before anything is written."""
   tokenizer = tokenizer_lib.for_config(config)
   for run_dir in teachers.parse_teachers(
       config.teachers, tuple(config.data.domains)).values():
-    runs.check_same_tokens(run_dir, runs.load_run_config(run_dir), tokenizer,
-                           "teachers")
+    run_config = runs.load_run_config(run_dir)
+    runs.check_same_tokens(run_dir, run_config, tokenizer, "teachers")
+    runs.check_same_vocabulary(run_dir, run_config, config.model.vocab_size,
+                               "teachers")
 
 
 def make_method(config, tokenizer, model_cfg, mesh, sampling):
