@@ -44,18 +44,25 @@ def save_run_config(config, workdir: str) -> None:
       dict(config.to_dict(), tokenizer=tokenizer.fingerprint()))
 
 
-def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(os.path.abspath(os.path.expanduser(run_dir)),
-                      CONFIG_FILE)
+def _read_json_object(path: str, run_dir: str = "") -> dict:
   try:
     with open(path, encoding="utf-8") as f:
       saved = json.load(f)
   except FileNotFoundError:
-    raise CheckpointError(f"{run_dir}: not a mopd_jax run directory (no"
-                          f" {CONFIG_FILE})") from None
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{run_dir or path}: not a mopd_jax run directory"
+                          f" (no {CONFIG_FILE})") from None
+  except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
     raise CheckpointError(f"{path}: unreadable ({e})") from None
-  if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+  if not isinstance(saved, dict):
+    raise CheckpointError(f"{path}: not a run config (not a JSON object)")
+  return saved
+
+
+def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
+  path = os.path.join(os.path.abspath(os.path.expanduser(run_dir)),
+                      CONFIG_FILE)
+  saved = _read_json_object(path, run_dir)
+  if not isinstance(saved.get("model"), dict):
     raise CheckpointError(f"{path}: not a run config (no model section)")
   unknown = sorted(set(saved["model"]) - {
       f.name for f in dataclasses.fields(ModelConfig)})
@@ -139,14 +146,20 @@ def check_resumable(config, workdir: str) -> None:
   model and tokenizer; anything else is a ``CheckpointError`` naming the
   first difference, raised before config.json or a checkpoint is touched."""
   ckpt = os.path.join(workdir, "ckpt")
-  if not (os.path.isdir(ckpt) and os.listdir(ckpt)):
+  # A study keeps no checkpoints: its state is the runs of its steps, made
+  # under the settings its config.json records.
+  started = (os.path.isdir(ckpt) and os.listdir(ckpt)) or (
+      config.method == "study"
+      and os.path.exists(os.path.join(workdir, CONFIG_FILE)))
+  if not started:
     return
   if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
     # config.json comes before any checkpoint: these are not a run of ours.
     raise CheckpointError(
         f"{workdir} holds checkpoints but no {CONFIG_FILE}, so they cannot"
         " be checked against this run; use a new workdir")
-  saved = load_run_config(workdir).to_dict()
+  saved = (load_run_config(workdir).to_dict() if config.method != "study"
+           else _read_json_object(os.path.join(workdir, CONFIG_FILE)))
   # Compared as JSON, the form config.json holds (tuples become lists).
   ours = json.loads(json.dumps(
       dict(config.to_dict(),
@@ -169,10 +182,11 @@ def check_resumable(config, workdir: str) -> None:
   # by another version) are not compared.
   theirs, mine = _flat(saved), _flat(ours)
   changed = [k for k in sorted(set(theirs) & set(mine))
-             if theirs[k] != mine[k] and not k.startswith(RESUMABLE_CHANGES)]
+             if theirs[k] != mine[k] and not k.startswith(RESUMABLE_CHANGES)
+             and not (config.method == "study" and k == "steps")]
   if changed:
     raise CheckpointError(
-        f"{workdir} holds checkpoints of a run configured otherwise: "
+        f"{workdir} holds a run configured otherwise: "
         + ", ".join(f"{k} ({theirs[k]!r} -> {mine[k]!r})"
                     for k in changed[:3])
         + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")

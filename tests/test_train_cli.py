@@ -92,7 +92,7 @@ def test_resuming_with_other_hyperparameters_is_refused(smoke_run, tmp_path,
                                  "--config.seed=3"], capture_output=True,
                           text=True, timeout=300, env=cached_env)
   line = _one_line_error(result)
-  assert line == (f"error: {run} holds checkpoints of a run configured"
+  assert line == (f"error: {run} holds a run configured"
                   " otherwise: optim.weight_decay (0.01 -> 0.5), seed (0 ->"
                   " 3); resume with the same settings or use a new workdir")
   assert _snapshot(run) == before

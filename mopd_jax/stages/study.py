@@ -18,8 +18,10 @@ import json
 import os
 import time
 
+import ml_collections
+
 from mopd_jax import config as config_lib
-from mopd_jax import stages
+from mopd_jax import checkpointing, runs, stages
 from mopd_jax.atomic import write_json_atomic
 from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
 from mopd_jax.data import files
@@ -65,15 +67,26 @@ def child_config(name: str, variant: str, overrides=(), **fields):
     except ValueError:
       value = text
     _set(config, key.strip(), tuple(value) if isinstance(value, list)
-         else value)
+         else value, where=f"overrides.{name}: ")
   return config_lib.validate(config)
 
 
-def _set(config, dotted: str, value) -> None:
+def _set(config, dotted: str, value, where: str = "") -> None:
+  """``config.<dotted> = value`` for a field the config has (``where``
+  names the setting in errors)."""
   *parents, last = dotted.split(".")
-  for part in parents:
-    config = config[part]
-  config[last] = value
+  node = config
+  for part in parents + [last]:
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      raise ConfigError(f"{where}{dotted}: unknown field")
+    parent, node = node, node[part]
+  if isinstance(node, ml_collections.ConfigDict):
+    raise ConfigError(f"{where}{dotted}: a section, not a value")
+  try:
+    parent[last] = value
+  except (TypeError, ValueError):
+    raise ConfigError(f"{where}{dotted}: {value!r} does not fit the field"
+                      f" ({type(node).__name__})") from None
 
 
 class Study:
@@ -137,40 +150,44 @@ class Study:
 
 
 def _tasks(study: Study):
-  """``(step, label, thunk)`` of every run the selected steps make."""
+  """``(step, label, thunk, config)`` of every run the selected steps make;
+  ``config()`` builds (and validates) the run's config, None for the
+  evaluations and the report."""
   c = study.config
   tasks = []
+
+  def train(kind, label, name, workdir, **fields):
+    tasks.append((kind, label,
+                  lambda: study.child(label, name, workdir, **fields),
+                  lambda: study.child_config(name, **fields)))
+
   if "base" in c.steps and not c.base:
-    tasks.append(("base", "base", lambda: study.child(
-        "base", "pretrain", study.base, seed=c.seed)))
+    train("base", "base", "pretrain", study.base, seed=c.seed)
   if "experts" in c.steps and not c.experts:
     for d in study.domains:
-      tasks.append(("experts", f"expert {d}", lambda d=d: study.child(
-          f"expert {d}", "grpo", study.experts[d], domain=d,
-          init=study.base)))
+      train("experts", f"expert {d}", "grpo", study.experts[d], domain=d,
+            init=study.base)
   if "merge" in c.steps:
     for m in c.merge_methods:
-      tasks.append(("merge", f"merge {m}", lambda m=m: study.child(
-          f"merge {m}", "merge", study.models()[f"merge/{m}"],
-          init=study.base, experts=study.template,
-          **{"merge.method": m, "merge.sweep": c.merge_sweep})))
+      train("merge", f"merge {m}", "merge", study.models()[f"merge/{m}"],
+            init=study.base, experts=study.template,
+            **{"merge.method": m, "merge.sweep": c.merge_sweep})
   if "mix_rl" in c.steps:
-    tasks.append(("mix_rl", "Mix RL", lambda: study.child(
-        "Mix RL", "mix_rl", study.models()["mix_rl"], init=study.base)))
+    train("mix_rl", "Mix RL", "mix_rl", study.models()["mix_rl"],
+          init=study.base)
   for name in ("mopd", "open_mopd"):
     if name in c.steps:
       fields = dict(init=study.base, teachers=study.template)
       if name == "open_mopd":  # the :open variant's mechanisms
         fields.update({f"open_mopd.{k}": v for k, v in
                        config_file("mopd", "open").open_mopd.items()})
-      tasks.append((name, name, lambda n=name, f=fields: study.child(
-          n, "mopd", study.models()[n], **f)))
+      train(name, name, "mopd", study.models()[name], **fields)
   if "evaluate" in c.steps:
     for model, run_dir in study.models().items():
       tasks.append(("evaluate", f"evaluate {model}",
-                    lambda m=model, r=run_dir: _evaluate(study, m, r)))
+                    lambda m=model, r=run_dir: _evaluate(study, m, r), None))
   if "report" in c.steps:
-    tasks.append(("report", "report", lambda: write_results(study)))
+    tasks.append(("report", "report", lambda: write_results(study), None))
   return tasks
 
 
@@ -222,8 +239,8 @@ def run(config, workdir: str):
   study = Study(config, workdir)
   tasks = _tasks(study)
   started, ran = time.perf_counter(), []
-  for i, (kind, label, thunk) in enumerate(tasks):
-    eta = eta_minutes([k for k, _, _ in tasks[i:]], ran)
+  for i, (kind, label, thunk, _) in enumerate(tasks):
+    eta = eta_minutes([k for k, *_ in tasks[i:]], ran)
     print(f"\nstudy [{i + 1}/{len(tasks)}] {label}  (elapsed"
           f" {(time.perf_counter() - started) / 60:.1f} min"
           + (f", ETA {eta:.1f} min" if eta is not None else "") + ")",
@@ -382,3 +399,16 @@ def check(config) -> None:
   if bad:
     raise ConfigError(f"steps: unknown step {bad[0]!r}; known: "
                       + ", ".join(STEPS))
+  for name, path in [("base", config.base)] + [
+      ("experts", p) for p in (parse_teachers(
+          config.experts, domains(config), "experts").values()
+          if config.experts else ())]:
+    if path:
+      runs.load_run_config(path)  # a run's config.json, or one line
+      if checkpointing.newest_step(os.path.expanduser(path)) is None:
+        raise ConfigError(f"{name}: {path} holds no checkpoint")
+  # Every step's config, before the first step trains (a bad override
+  # would otherwise surface after the steps before it).
+  for *_, child in _tasks(Study(config, "<workdir>")):
+    if child is not None:
+      child()

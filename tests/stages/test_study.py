@@ -8,6 +8,8 @@ import pytest
 
 from conftest import ROOT, load_config, math_file, run_notebook, train_cli
 from mopd_jax import config as config_lib
+from mopd_jax import runs, stages
+from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.evaluation import report
 from mopd_jax.stages import study as study_stage
 
@@ -223,3 +225,44 @@ def test_eta_is_the_priors_at_this_machines_pace():
   left = ["experts", "merge", "evaluate"]
   assert study_stage.eta_minutes(left, ran) == pytest.approx(
       2 * sum(study_stage.MINUTES[k] for k in left))
+
+
+@pytest.mark.parametrize("override,words", [
+    ("nonsense=1", "overrides.mix_rl: nonsense: unknown field"),
+    ("a.b=1", "overrides.mix_rl: a.b: unknown field"),
+    ("train.steps=[1,2]", r"overrides.mix_rl: train.steps: \(1, 2\) does"),
+    ("train=5", "overrides.mix_rl: train: a section, not a value"),
+])
+def test_every_step_config_is_checked_before_anything_runs(tmp_path,
+                                                           override, words):
+  config = load_config("study", "smoke")
+  config.overrides.mix_rl = (override,)
+  with pytest.raises(ConfigError, match=words):
+    stages.run(config_lib.validate(config), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+def test_plugged_in_runs_must_be_runs_with_checkpoints(tmp_path):
+  config = load_config("study", "smoke")
+  config.base = str(tmp_path)
+  with pytest.raises(CheckpointError, match="not a mopd_jax run directory"):
+    stages.run(config_lib.validate(config), str(tmp_path / "w"))
+  (tmp_path / "config.json").write_text('{"model": {}}')
+  with pytest.raises(ConfigError, match="holds no checkpoint"):
+    stages.run(config_lib.validate(config), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+def test_a_study_rerun_with_other_settings_is_refused(tmp_path):
+  """The whole config, overrides included, against the saved one; the
+  steps to run may change."""
+  config = config_lib.validate(load_config("study", "smoke"))
+  runs.save_run_config(config, str(tmp_path))
+  again = config_lib.validate(load_config("study", "smoke"))
+  again.steps = ("evaluate", "report")
+  runs.check_resumable(again, str(tmp_path))  # fine
+  again.seed = 7
+  again.overrides.mix_rl = ("train.steps=800",)
+  with pytest.raises(CheckpointError, match=r"configured otherwise: "
+                     r"overrides.mix_rl .* seed \(0 -> 7\)"):
+    runs.check_resumable(again, str(tmp_path))
