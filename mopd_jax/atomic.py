@@ -5,7 +5,8 @@ The bytes go to a temporary file in the same directory, are flushed to
 disk, and the file is renamed over the target (``os.replace`` is atomic on
 POSIX and Windows within one file system).
 
-In a multi-host run only process 0 writes (every process computes the same
+A write the file system refuses (no space left, no permission) is a
+``UserError`` naming the file. In a multi-host run only process 0 writes (every process computes the same
 payload, and the hosts share the workdir); the others return at once.
 """
 
@@ -15,6 +16,7 @@ import json
 import os
 from typing import Any
 
+from mopd_jax.errors import UserError
 from mopd_jax.parallel import is_primary
 
 
@@ -32,9 +34,11 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
-  except BaseException:
+  except BaseException as e:
     if os.path.exists(tmp):
       os.remove(tmp)
+    if isinstance(e, OSError):  # a full disk, a read-only folder: the user's
+      raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
     raise
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from typing import Callable
 
@@ -96,6 +97,10 @@ def run(main: Callable[..., None], commands: tuple[str, ...] = ()) -> None:
              f" {' '.join(args) or 'none'}")
     elif args:
       fail(f"unexpected arguments: {' '.join(args)}")
+    # SIGTERM outside a training loop (a merge, an evaluation, the report)
+    # ends like a Ctrl-C: one line, exit 2; the loop installs its own,
+    # which checkpoints the step first.
+    signal.signal(signal.SIGTERM, _terminated)
     if not flags.FLAGS["verbosity"].present:
       # Library logs, errors included (Orbax logs a failed background save
       # with its traceback), would bury the one line that says what to do.
@@ -109,6 +114,10 @@ def run(main: Callable[..., None], commands: tuple[str, ...] = ()) -> None:
 
   _split_dotted_paths()
   app.run(wrapped, flags_parser=parse_flags)
+
+
+def _terminated(signum, frame):
+  raise KeyboardInterrupt
 
 
 def _exit(message: str) -> None:
