@@ -11,17 +11,8 @@ fixed step count). Every field and its default lives in
 ``:hf`` (a Hugging Face checkpoint on accelerators: ``config.for_real_models``).
 """
 
-from mopd_jax.config import defaults, for_real_models, shrink_for_smoke
+from mopd_jax.recipes import recipe
 
 
 def get_config(variant: str = ""):
-  config = defaults("grpo")
-  if variant == "smoke":
-    shrink_for_smoke(config)
-    config.rl.update(prompts_per_step=4, group_size=4, minibatches=2)
-    config.stop.gain = 0.0  # 4 steps: no target to reach
-  elif variant == "hf":
-    for_real_models(config)
-  elif variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/grpo.py")
-  return config
+  return recipe("grpo", variant)

@@ -15,18 +15,8 @@ the validation split. Variants: ``:smoke`` (seconds, for tests),
 ``:hf`` (a Hugging Face checkpoint on accelerators: ``config.for_real_models``).
 """
 
-from mopd_jax.config import defaults, for_real_models
+from mopd_jax.recipes import recipe
 
 
 def get_config(variant: str = ""):
-  config = defaults("merge")
-  if variant == "smoke":
-    config.data.update(train_examples=64, test_examples=16)
-    config.eval.update(num_prompts=8, batch_size=8)
-    config.merge.update(sweep_lambdas=(0.5, 1.0), sweep_densities=(0.5,),
-                        sweep_prompts=8)
-  elif variant == "hf":
-    for_real_models(config)
-  elif variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/merge.py")
-  return config
+  return recipe("merge", variant)

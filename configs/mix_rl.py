@@ -10,17 +10,8 @@ domain's mean |advantage|, floored at ``mixture.floor``. Variants: ``:smoke``,
 ``:hf`` (a Hugging Face checkpoint on accelerators: ``config.for_real_models``).
 """
 
-from mopd_jax.config import defaults, for_real_models, shrink_for_smoke
+from mopd_jax.recipes import recipe
 
 
 def get_config(variant: str = ""):
-  config = defaults("mix_rl")
-  if variant == "smoke":
-    shrink_for_smoke(config)
-    config.rl.update(prompts_per_step=8, group_size=4, minibatches=2)
-    config.mixture.adaptive = True
-  elif variant == "hf":
-    for_real_models(config)
-  elif variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/mix_rl.py")
-  return config
+  return recipe("mix_rl", variant)

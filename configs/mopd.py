@@ -13,20 +13,8 @@ together than the exact ones: see README, Open-MOPD ablation), ``:smoke``
 ``config.for_real_models``).
 """
 
-from mopd_jax.config import defaults, for_real_models, shrink_for_smoke
+from mopd_jax.recipes import recipe
 
 
 def get_config(variant: str = ""):
-  config = defaults("mopd")
-  if variant == "open":
-    config.open_mopd.update(token_share=True, gap_budget=True,
-                            reward_refresh=True, token_share_power=0.5,
-                            gap_statistic="sequence_kl")
-  elif variant == "smoke":
-    shrink_for_smoke(config)
-    config.rl.update(prompts_per_step=8, group_size=2, minibatches=2)
-  elif variant == "hf":
-    for_real_models(config)
-  elif variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/mopd.py")
-  return config
+  return recipe("mopd", variant)

@@ -20,20 +20,8 @@ live in ``expert_<kind>_<file stem>``. Variants:
 accelerators).
 """
 
-from mopd_jax.config import defaults
+from mopd_jax.recipes import recipe
 
 
 def get_config(variant: str = ""):
-  config = defaults("study")
-  if variant == "smoke":
-    config.variant = "smoke"
-    config.merge_methods = ("ties",)
-    for name in config.overrides:  # the smoke configs' own sizes
-      config.overrides[name] = ()
-    config.eval.update(num_prompts=8, samples=2)
-  elif variant == "hf":
-    config.variant = "hf"
-    config.mesh.update(data=1, fsdp=-1)
-  elif variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/study.py")
-  return config
+  return recipe("study", variant)

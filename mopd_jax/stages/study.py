@@ -13,7 +13,6 @@ figures (``evaluation/report.py``, ``evaluation/study_report.py``).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import time
@@ -21,7 +20,7 @@ import time
 import ml_collections
 
 from mopd_jax import config as config_lib
-from mopd_jax import checkpointing, runs, stages
+from mopd_jax import checkpointing, recipes, runs, stages
 from mopd_jax.atomic import write_json_atomic
 from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
 from mopd_jax.data import files
@@ -35,20 +34,14 @@ from mopd_jax.training import SUMMARY_FILE
 
 STEPS = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
          "evaluate", "report")
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
 RESULTS_FILE = "results.json"
 EVALUATIONS = "evaluations"
 
 
 def config_file(name: str, variant: str = ""):
-  """``configs/<name>.py``'s ``get_config(variant)``, as the command line
-  would load it."""
-  spec = importlib.util.spec_from_file_location(
-      f"study_{name}", os.path.join(CONFIGS, f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant)
+  """``configs/<name>.py:<variant>``, from the package's recipes (what
+  that file returns), so an installed package needs no configs folder."""
+  return recipes.recipe(name, variant)
 
 
 def child_config(name: str, variant: str, overrides=(), **fields):
