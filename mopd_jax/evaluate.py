@@ -36,24 +36,7 @@ from mopd_jax.errors import ConfigError, UserError
 from mopd_jax.evaluation import evaluator, pass_at_k
 from mopd_jax.models import tokenizer as tokenizer_lib
 
-_RUN = flags.DEFINE_string("run", None, "Run directory (or Hugging Face"
-                           " checkpoint directory) to evaluate.")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 960,
-                                    "Test prompts per domain (`add` has 993).")
-_DOMAINS = flags.DEFINE_list("domains", list(DOMAINS),
-                             "Domains to evaluate (comma-separated).")
-_SAMPLES = flags.DEFINE_integer("samples", 0, "n > 0: pass@k from n samples"
-                                " per prompt (0: no coverage measurement).")
-_OUTPUT = flags.DEFINE_string("output", "", "Where to write the scalars"
-                              " (default: <run>/eval_<num_prompts>.json).")
-_SETTINGS = config_flags.DEFINE_config_file(
-    "settings", None, "A config (e.g. configs/mix_rl.py:hf) whose seed,"
-    " data, sampling, eval and mesh sections evaluate a run that has none"
-    " (an imported checkpoint), and whose execution fields (model.dtype,"
-    " remat, attention_chunk, attention_impl) any run is computed with;"
-    " overrides as"
-    " --settings.data.max_prompt_len=1024.", lock_config=True)
-flags.mark_flags_as_required(["run"])
+
 
 
 def eval_file_name(num_prompts: int) -> str:
@@ -149,26 +132,51 @@ def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):
           for k, v in by_k.items()}
 
 
+def define_flags() -> None:
+  """The command's flags (defined when it runs, not when imported: the
+  study and the experiments import this module as a library)."""
+  flags.DEFINE_string("run", None, "Run directory (or Hugging Face"
+                      " checkpoint directory) to evaluate.")
+  flags.DEFINE_integer("num_prompts", 960,
+                       "Test prompts per domain (`add` has 993).")
+  flags.DEFINE_list("domains", list(DOMAINS),
+                    "Domains to evaluate (comma-separated).")
+  flags.DEFINE_integer("samples", 0, "n > 0: pass@k from n samples per"
+                       " prompt (0: no coverage measurement).")
+  flags.DEFINE_string("output", "", "Where to write the scalars (default:"
+                      " <run>/eval_<num_prompts>.json).")
+  config_flags.DEFINE_config_file(
+      "settings", None, "A config (e.g. configs/mix_rl.py:hf) whose seed,"
+      " data, sampling, eval and mesh sections evaluate a run that has none"
+      " (an imported checkpoint), and whose execution fields (model.dtype,"
+      " remat, attention_chunk, attention_impl) any run is computed with;"
+      " overrides as"
+      " --settings.data.max_prompt_len=1024.", lock_config=True)
+  flags.mark_flags_as_required(["run"])
+
+
 def main() -> None:
-  settings = cli.config_value(_SETTINGS, "settings")
-  hf_checkpoint = convert.is_hf_checkpoint(_RUN.value)
-  if hf_checkpoint and not _OUTPUT.value:
-    raise UserError(f"--output: needed for {_RUN.value}, a Hugging Face"
+  f = flags.FLAGS
+  settings = cli.config_value(f["settings"], "settings")
+  hf_checkpoint = convert.is_hf_checkpoint(f.run)
+  if hf_checkpoint and not f.output:
+    raise UserError(f"--output: needed for {f.run}, a Hugging Face"
                     " checkpoint directory (nothing is written into it)")
-  if not _DOMAINS.value:
+  if not f.domains:
     raise UserError("--domains: empty; name at least one domain")
   if settings is not None:
     if "init" in settings:  # the run evaluated is the one it starts from
-      settings.init = _RUN.value
+      settings.init = f.run
     settings = config_lib.validate(settings)
   # Before anything touches a device, as in train.
   mesh = (settings or config_lib.defaults("mix_rl")).mesh if (
-      hf_checkpoint) else run_settings(_RUN.value, settings).mesh
+      hf_checkpoint) else run_settings(f.run, settings).mesh
   parallel.use_cpu_devices(mesh.get("cpu_devices", 1))
-  with convert.as_run(_RUN.value) as run_dir:
-    evaluate_run(run_dir, _NUM_PROMPTS.value, _DOMAINS.value, _OUTPUT.value,
-                 _SAMPLES.value, settings)
+  with convert.as_run(f.run) as run_dir:
+    evaluate_run(run_dir, f.num_prompts, f.domains, f.output,
+                 f.samples, settings)
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.run(main)
