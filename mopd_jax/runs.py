@@ -19,7 +19,6 @@ import jax
 import ml_collections
 
 from mopd_jax import checkpointing, checksum, parallel
-from mopd_jax import config as config_lib
 from mopd_jax.atomic import write_json_atomic
 from mopd_jax.training import SUMMARY_FILE
 from mopd_jax.errors import CheckpointError, ConfigError
@@ -229,7 +228,7 @@ def setup(config, tokenizer=None):
   """``(tokenizer, model_cfg, mesh)`` for ``config``, checked together; the
   tokenizer is ``config``'s (its init run's) unless given."""
   tokenizer = tokenizer or tokenizer_lib.for_config(config)
-  model_cfg = config_lib.model_config(config)
+  model_cfg = ModelConfig(**config.model.to_dict())
   if not tokenizer.fits(model_cfg.vocab_size):
     raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size} does not"
                       f" fit the tokenizer's {tokenizer.vocab_size} ids")
