@@ -379,7 +379,11 @@ def locked(workdir: str):
     handle.flush()
     yield
   finally:
-    handle.close()  # releases the lock
+    # Emptied before it is released: a run refused after taking the lock
+    # leaves the workdir as it found it.
+    handle.seek(0)
+    handle.truncate()
+    handle.close()
 
 
 def write_eval(workdir: str, step: int):

@@ -97,7 +97,7 @@ def test_cli_unknown_config_variant(tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip() == (
       f"error: flag --config={ROOT}/configs/mopd.py:opne: ValueError: unknown"
-      " variant 'opne' of configs/mopd.py")
+      " variant 'opne' of configs/mopd.py (known: open, smoke, hf)")
 
 
 def test_cli_empty_workdir_and_config_without_get_config(tmp_path):

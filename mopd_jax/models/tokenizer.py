@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import string
-import sys
 from typing import Protocol, Sequence
 
 from mopd_jax.errors import DataError
@@ -237,8 +236,9 @@ class HFTokenizer:
                            **self._specials)  # once, as a check
     elif directory not in _WARNED_NO_TEMPLATE:
       _WARNED_NO_TEMPLATE.add(directory)
+      # The log (stdout): stderr is for the one error line.
       print(f"note: {directory} has no chat template; prompts are BOS +"
-            " text", file=sys.stderr)
+            " text")
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
