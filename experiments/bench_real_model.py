@@ -15,11 +15,12 @@ Prints, each against its baseline in this one run:
 * **a train step**: our jitted policy-gradient step (forward, backward,
   AdamW) against a plain torch forward/backward/AdamW step of the same
   model on the same ``--train_rows`` x (prompt + ``--new``) tokens;
-* **evaluate end to end** (with ``--eval_file``, a ``math`` JSONL): the
-  wall time of ``python -m mopd_jax.evaluate --run=HF_DIR`` (imports,
-  conversion, compiles, greedy and sampled decoding) against a
-  transformers loop over the same prompts in a fresh process (imports,
-  load, greedy and sampled ``generate`` per prompt, stopping at EOS).
+* **evaluate end to end** (with ``--eval_file``, a ``math`` JSONL; its
+  first ``--eval_prompts`` test-split records): the wall time of
+  ``python -m mopd_jax.evaluate --run=HF_DIR`` (imports, conversion,
+  compiles, greedy and sampled decoding) against a transformers loop over
+  the same prompts in a fresh process (imports, load, greedy and sampled
+  ``generate`` per prompt, stopping at EOS).
 """
 
 from __future__ import annotations
@@ -191,11 +192,27 @@ def _wall(cmd) -> float:
   return time.perf_counter() - start
 
 
+def test_prompts_file(eval_file: str, out_dir: str, n: int) -> str:
+  """The first ``n`` records of ``eval_file`` that fall in the test split
+  (a record's split is the hash of its prompt), as a file of their own:
+  ``evaluate`` grades exactly these, and the loop runs them too."""
+  from mopd_jax.data.domains import split_of
+  kept = []
+  for line in open(eval_file, encoding="utf-8"):
+    if split_of(json.loads(line)["question"]) == "test" and len(kept) < n:
+      kept.append(line)
+  path = os.path.join(out_dir, "test_prompts.jsonl")
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(kept)
+  return path
+
+
 def bench_evaluate(model_dir: str, eval_file: str, new: int, out_dir: str,
-                   cpu_devices: int):
-  """``(ours seconds, transformers seconds, prompts)`` end to end."""
+                   cpu_devices: int, prompts: int):
+  """``(ours seconds, transformers seconds, prompts)`` end to end, on the
+  test-split records of ``eval_file`` (at most ``prompts``)."""
+  eval_file = test_prompts_file(eval_file, out_dir, prompts)
   prompts = sum(1 for _ in open(eval_file, encoding="utf-8"))
-  # Every line of the file is a test prompt (splits would hold some back).
   ours = _wall([
       sys.executable, "-m", "mopd_jax.evaluate", f"--run={model_dir}",
       f"--domains=math:{eval_file}", f"--num_prompts={prompts}",
@@ -222,6 +239,8 @@ def main(argv=None):
   parser.add_argument("--cpu_devices", type=int, default=1)
   parser.add_argument("--eval_file", default="")
   parser.add_argument("--eval_new", type=int, default=160)
+  parser.add_argument("--eval_prompts", type=int, default=24,
+                      help="test-split records of --eval_file evaluated")
   parser.add_argument("--json", default="")
   parser.add_argument("--transformers_eval_loop", action="store_true",
                       help=argparse.SUPPRESS)
@@ -284,7 +303,7 @@ def main(argv=None):
     out_dir = os.path.dirname(os.path.abspath(args.json or args.eval_file))
     ours_s, theirs_s, n = bench_evaluate(args.model, args.eval_file,
                                          args.eval_new, out_dir,
-                                         args.cpu_devices)
+                                         args.cpu_devices, args.eval_prompts)
     figures["evaluate"] = dict(prompts=n, new=args.eval_new, ours_s=ours_s,
                                theirs_s=theirs_s, ratio=theirs_s / ours_s)
     print(f"evaluate end to end ({n} prompts, greedy and sampled,"

@@ -76,17 +76,18 @@ def test_bench_real_model_and_real_data_smoke(tmp_path):
       head_dim=8)).to(torch.float32)
   model.save_pretrained(tmp_path / "hf")
   save_tokenizer(tmp_path / "hf")
-  result = _run("real_data.py", f"--out={tmp_path / 'data'}", "--n=4")
+  result = _run("real_data.py", f"--out={tmp_path / 'data'}", "--n=40")
   assert result.returncode == 0, result.stderr[-3000:]
   sums = tmp_path / "data" / "sums.jsonl"
-  assert len(sums.read_text().splitlines()) == 4
+  assert len(sums.read_text().splitlines()) == 40
   out = tmp_path / "real.json"
   result = _run("bench_real_model.py", f"--model={tmp_path / 'hf'}",
                 "--batches=2", "--new=3", "--repeats=1", "--train_rows=2",
                 "--prompt_tokens=8,16", f"--eval_file={sums}",
-                "--eval_new=3", f"--json={out}")
+                "--eval_new=3", "--eval_prompts=2", f"--json={out}")
   assert result.returncode == 0, result.stderr[-3000:]
   figures = json.loads(out.read_text())
   for key in ("sample_b2", "train_step", "evaluate"):
     assert figures[key]["ratio"] > 0, key
+  assert figures["evaluate"]["prompts"] == 2  # test-split records only
   assert figures["sample_b2"]["first_call_s"] > 0
