@@ -235,7 +235,8 @@ def main(argv=None):
   parser.add_argument("--prompt_tokens", default="64,128",
                       help="the chat prompts' shortest and longest")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--train_rows", type=int, default=8)
+  parser.add_argument("--train_rows", type=int, default=8,
+                      help="rows of the train-step comparison (0: none)")
   parser.add_argument("--cpu_devices", type=int, default=1)
   parser.add_argument("--eval_file", default="")
   parser.add_argument("--eval_new", type=int, default=160)
@@ -283,22 +284,23 @@ def main(argv=None):
             f" generate {row['theirs_tokens_s']:7.0f}: {row['ratio']:.2f}x"
             f" (first call {first:.1f} s with compile; prefill"
             f" {prefill_s:.2f} s + decode {ours_s - prefill_s:.2f} s)")
-    prompts = left_padded(chat_prompts(tok, args.train_rows, low, high),
-                          tok.pad_id)[0]
-    prompt_len = prompts.shape[1]
-    completions = np.random.default_rng(3).integers(
-        3, tok.vocab_size, (args.train_rows, args.new), dtype=np.int32)
-    tokens = np.concatenate([prompts, completions], axis=1)
-    ours_s, theirs_s = interleaved(
-        (our_train_step(cfg, params, tokens, prompt_len),
-         their_train_step(model.train(), tokens, prompt_len)), args.repeats)
-    n = tokens.size
-    figures["train_step"] = row = dict(
-        tokens=n, ours_tokens_s=n / ours_s, theirs_tokens_s=n / theirs_s,
-        ratio=theirs_s / ours_s)
-    print(f"train step ({args.train_rows} x {tokens.shape[1]}): ours"
-          f" {row['ours_tokens_s']:.0f} tokens/s, torch"
-          f" {row['theirs_tokens_s']:.0f}: {row['ratio']:.2f}x")
+    if args.train_rows:  # 0: no train-step comparison
+      prompts = left_padded(chat_prompts(tok, args.train_rows, low, high),
+                            tok.pad_id)[0]
+      prompt_len = prompts.shape[1]
+      completions = np.random.default_rng(3).integers(
+          3, tok.vocab_size, (args.train_rows, args.new), dtype=np.int32)
+      tokens = np.concatenate([prompts, completions], axis=1)
+      ours_s, theirs_s = interleaved(
+          (our_train_step(cfg, params, tokens, prompt_len),
+           their_train_step(model.train(), tokens, prompt_len)), args.repeats)
+      n = tokens.size
+      figures["train_step"] = row = dict(
+          tokens=n, ours_tokens_s=n / ours_s, theirs_tokens_s=n / theirs_s,
+          ratio=theirs_s / ours_s)
+      print(f"train step ({args.train_rows} x {tokens.shape[1]}): ours"
+            f" {row['ours_tokens_s']:.0f} tokens/s, torch"
+            f" {row['theirs_tokens_s']:.0f}: {row['ratio']:.2f}x")
   if args.eval_file:
     out_dir = os.path.dirname(os.path.abspath(args.json or args.eval_file))
     ours_s, theirs_s, n = bench_evaluate(args.model, args.eval_file,

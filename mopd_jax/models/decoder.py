@@ -505,10 +505,27 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
     x, (k, v) = _layer(cfg, x, p, positions, span, (k, v, i), index)
     return (x, k, v), None
 
-  (x, k, v), _ = jax.lax.scan(cached_body, (x, cache.k, cache.v),
-                              (params["layers"], jnp.arange(cfg.num_layers)))
+  if isinstance(params["layers"], (list, tuple)):  # unstacked (the sampler)
+    k, v = cache.k, cache.v
+    for i, p in enumerate(params["layers"]):
+      x, (k, v) = _layer(cfg, x, p, positions, span, (k, v, i), index)
+  else:
+    (x, k, v), _ = jax.lax.scan(
+        cached_body, (x, cache.k, cache.v),
+        (params["layers"], jnp.arange(cfg.num_layers)))
   x = rms_norm(x, params["final_norm"], cfg.norm_eps)
   return x, KVCache(k, v, kv_segments, index + T)
+
+
+def unstack_layers(params: Params, num_layers: int) -> Params:
+  """``params`` with its stacked layers as a list of per-layer trees: a
+  loop that runs many cached steps (the sampler's decode) takes each
+  layer's weights as its own buffer, where a scan over the stacked arrays
+  copies every layer's weights out of them at every step. Costs one copy
+  of the layers' parameters while it lives."""
+  layers = [jax.tree.map(lambda a, i=i: a[i], params["layers"])
+            for i in range(num_layers)]
+  return dict(params, layers=layers)
 
 
 def output_weight(params: Params, cfg: ModelConfig) -> jax.Array:
