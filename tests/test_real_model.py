@@ -2,7 +2,9 @@
 layers, ChatML) against transformers on the same weights: the chat
 prompts it renders, per-token log-probs of chat and plain lines, greedy
 tokens, export and reload, and one GRPO, one MOPD and one merge run
-through the ordinary command lines."""
+through the ordinary command lines (each its own test, so that the
+pytest-xdist workers share them; the checkpoint is converted once per
+session)."""
 
 import json
 import os
@@ -22,8 +24,6 @@ from mopd_jax import convert, runs  # noqa: E402
 from mopd_jax.data import batching  # noqa: E402
 from mopd_jax.models import tokenizer as tokenizer_lib  # noqa: E402
 from mopd_jax.rollout import sampler  # noqa: E402
-
-pytestmark = pytest.mark.xdist_group("real_model")
 
 PROMPTS = ("What is 12 + 30?", "Write one word in capital letters.",
            "Name a colour.", "Say hi to Ada, then stop.")
@@ -164,8 +164,7 @@ TINY = ("--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
         "--config.checkpoint.every=1")
 
 
-def test_grpo_and_mopd_steps_and_a_merge_on_the_real_model(
-    tmp_path, smollm2_run):
+def test_a_grpo_step_on_the_real_model(tmp_path, smollm2_run):
   domain = "math:" + _math_file(tmp_path / "sums.jsonl")
   grpo = tmp_path / "grpo"
   result = train_cli("--config=configs/grpo.py", f"--workdir={grpo}",
@@ -175,9 +174,15 @@ def test_grpo_and_mopd_steps_and_a_merge_on_the_real_model(
                      timeout=900, env=ONE_DEVICE)
   assert result.returncode == 0, result.stderr[-2000:]
   assert runs.finished(grpo)
-  # The model as its own teacher: the KL is 0 at step 0, to the float32
-  # rounding between the teacher's scoring pass and the student's own
-  # (measured: 4e-7 for the exact KL, 7e-7 per sampled token).
+  assert runs.final_model(grpo)[0].num_layers == 30
+
+
+def test_a_mopd_step_with_the_model_as_its_own_teacher(tmp_path,
+                                                       smollm2_run):
+  """The KL is 0 at step 0, to the float32 rounding between the teacher's
+  scoring pass and the student's own (measured: 4e-7 for the exact KL,
+  7e-7 per sampled token)."""
+  domain = "math:" + _math_file(tmp_path / "sums.jsonl")
   mopd = tmp_path / "mopd"
   result = train_cli("--config=configs/mopd.py", f"--workdir={mopd}",
                      f"--config.init={smollm2_run}",
@@ -188,14 +193,39 @@ def test_grpo_and_mopd_steps_and_a_merge_on_the_real_model(
   assert result.returncode == 0, result.stderr[-2000:]
   first = json.loads((mopd / "metrics.jsonl").read_text().splitlines()[0])
   assert abs(first["loss"]) < 1e-5 and abs(first["signal"]) < 1e-5, first
-  # A data-free merge of the model with its GRPO-trained copy.
+  assert runs.finished(mopd)
+
+
+def test_a_data_free_merge_of_the_model_and_a_perturbed_copy(
+    tmp_path, smollm2_hf, smollm2_run):
+  from safetensors.numpy import load_file, save_file
+  copy = tmp_path / "perturbed"
+  copy.mkdir()
+  for name in os.listdir(smollm2_hf):
+    if name != "model.safetensors":
+      (copy / name).write_bytes((open(os.path.join(smollm2_hf, name), "rb")
+                                 ).read())
+  tensors = load_file(os.path.join(smollm2_hf, "model.safetensors"))
+  rng = np.random.default_rng(0)
+  for name in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight"):
+    tensors[name] = tensors[name] + 0.01 * rng.standard_normal(
+        tensors[name].shape).astype(np.float32)
+  save_file(tensors, str(copy / "model.safetensors"))
+  expert = str(tmp_path / "expert")
+  convert.import_hf(str(copy), expert)
   merged = tmp_path / "merged"
   result = train_cli("--config=configs/merge.py", f"--workdir={merged}",
                      f"--config.init={smollm2_run}",
-                     f"--config.experts={grpo},{mopd}",
+                     f"--config.experts={expert},{smollm2_run}",
                      "--config.merge.lambda=0.5", timeout=900,
                      env=ONE_DEVICE)
   assert result.returncode == 0, result.stderr[-2000:]
   cfg, params = runs.final_model(merged)
   assert cfg.num_layers == 30 and runs.finished(merged)
   assert not (merged / runs.EVAL_FILE).exists()  # no data, no evaluation
+  # task arithmetic at lambda 0.5 of (perturbation, 0): half the noise
+  base = load_file(os.path.join(smollm2_hf, "model.safetensors"))
+  want = base["model.norm.weight"] + 0.5 * (
+      tensors["model.norm.weight"] - base["model.norm.weight"])
+  np.testing.assert_allclose(np.asarray(params["final_norm"]), want,
+                             atol=1e-6)
