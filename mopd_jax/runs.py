@@ -362,28 +362,34 @@ def locked(workdir: str):
   multi-host run, whose hosts share the workdir."""
   import fcntl
   path = os.path.join(workdir, f".lock.{jax.process_index()}")
-  handle = open(path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # unbuffered
   try:
-    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except OSError:
-    handle.seek(0)
-    holder = handle.read().strip() or "another process"
-    handle.close()
-    raise CheckpointError(f"{workdir} is being written by process {holder};"
-                          " wait for it to end or use another workdir"
-                          ) from None
+    holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    os.close(fd)
+    raise CheckpointError(f"{workdir} is being written by process"
+                          f" {holder or '(unknown)'}; wait for it to end or"
+                          " use another workdir") from None
   try:
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
+    _rewrite(fd, str(os.getpid()))
     yield
   finally:
     # Emptied before it is released: a run refused after taking the lock
     # leaves the workdir as it found it.
-    handle.seek(0)
-    handle.truncate()
-    handle.close()
+    _rewrite(fd, "")
+    os.close(fd)
+
+
+def _rewrite(fd: int, text: str) -> None:
+  """The lock file's text (the holder's PID): best effort, since the lock
+  itself needs no space and a full disk is reported by the first real
+  write."""
+  try:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text.encode(), 0)
+  except OSError:
+    pass
 
 
 def write_eval(workdir: str, step: int):

@@ -48,3 +48,18 @@ def test_a_killed_holder_releases_the_lock(tmp_path):
     except CheckpointError:
       assert time.monotonic() < deadline
       time.sleep(0.1)
+
+
+def test_a_full_disk_does_not_break_the_lock(tmp_path, monkeypatch):
+  """The PID is written best effort: on a full disk the lock still holds
+  and the first real write reports the disk (one line, tests/test_cli.py)."""
+  import errno
+
+  def full(*args):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(os, "pwrite", full)
+  monkeypatch.setattr(os, "ftruncate", full)
+  with runs.locked(str(tmp_path)):
+    with pytest.raises(CheckpointError, match=r"process \(unknown\)"):
+      with runs.locked(str(tmp_path)):
+        pass
