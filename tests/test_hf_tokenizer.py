@@ -144,3 +144,19 @@ def test_a_checkpoint_with_its_own_tokenizer_end_to_end(tmp_path, smoke_run,
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.load(open(tmp_path / "mopd" / "config.json"))["tokenizer"] == (
       fingerprint)
+
+
+def test_an_empty_prompt_without_bos_or_template_is_refused(tmp_path):
+  """Nothing to condition the completion's first token on: one line
+  naming the line, not 5 tokens scored with 1 log-prob."""
+  from mopd_jax import score
+  save_tokenizer(tmp_path / "t", template=None)
+  config = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
+  del config["bos_token"]
+  (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(config))
+  tok = tokenizer_lib.of_run(str(tmp_path / "t"))
+  assert tok.bos_id is None and tok.prompt_ids("") == []
+  lines = tmp_path / "in.jsonl"
+  lines.write_text(json.dumps({"prompt": "", "completion": "12"}) + "\n")
+  with pytest.raises(DataError, match=r"in.jsonl:1: field 'prompt' gives no"):
+    score.parse(str(lines), tok)
