@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from mopd_jax import checkpointing, cli, parallel, runs, training
+from mopd_jax import checkpointing, cli, json_files, parallel, runs, training
 from mopd_jax.checksum import named_leaves
 from mopd_jax.errors import CheckpointError, UserError, reason
 from mopd_jax.models import hf
@@ -134,14 +134,11 @@ def model_config(fields, path: str, param_dtype: str = "float32"
   return cfg
 
 
-def _read_json(path: str) -> dict:
+def _read_json(path: str):
   try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
+    return json_files.read_json(path, CheckpointError)
   except FileNotFoundError:
     raise CheckpointError(f"{path}: not found") from None
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{path}: unreadable ({reason(e)})") from None
 
 
 class Tensors(Mapping):
@@ -189,7 +186,7 @@ class Tensors(Mapping):
         value.dtype) != "bfloat16":
       raise CheckpointError(f"{path}: tensor {name} has dtype {value.dtype};"
                             " weights must be floating point")
-    if not np.isfinite(value.astype(np.float32)).all():
+    if not np.isfinite(value).all():
       raise CheckpointError(f"{path}: tensor {name} holds NaN or inf")
     return value
 
@@ -275,14 +272,12 @@ def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> dict:
 def is_hf_checkpoint(path: str) -> bool:
   """Whether ``path`` is a Hugging Face checkpoint directory (a
   ``config.json`` naming a ``model_type``) rather than a run directory."""
-  config = os.path.join(os.path.expanduser(path), "config.json")
   try:
-    with open(config, encoding="utf-8") as f:
-      fields = json.load(f)
-  except (OSError, ValueError, RecursionError):
+    fields = json_files.read_object(
+        os.path.join(os.path.expanduser(path), "config.json"))
+  except (FileNotFoundError, UserError):
     return False
-  return isinstance(fields, dict) and "model_type" in fields and (
-      "model" not in fields)
+  return "model_type" in fields and "model" not in fields
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from typing import Sequence
 import jax
 import ml_collections
 
-from mopd_jax import checkpointing, checksum, parallel
+from mopd_jax import checkpointing, checksum, json_files, parallel
 from mopd_jax.atomic import write_json_atomic
 from mopd_jax.training import SUMMARY_FILE
 from mopd_jax.errors import CheckpointError, ConfigError
@@ -45,16 +45,10 @@ def save_run_config(config, workdir: str) -> None:
 
 def _read_json_object(path: str, run_dir: str = "") -> dict:
   try:
-    with open(path, encoding="utf-8") as f:
-      saved = json.load(f)
+    return json_files.read_object(path, CheckpointError)
   except FileNotFoundError:
     raise CheckpointError(f"{run_dir or path}: not a mopd_jax run directory"
                           f" (no {CONFIG_FILE})") from None
-  except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-    raise CheckpointError(f"{path}: unreadable ({e})") from None
-  if not isinstance(saved, dict):
-    raise CheckpointError(f"{path}: not a run config (not a JSON object)")
-  return saved
 
 
 def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
@@ -181,8 +175,7 @@ def check_resumable(config, workdir: str) -> None:
   # by another version) are not compared.
   theirs, mine = _flat(saved), _flat(ours)
   changed = [k for k in sorted(set(theirs) & set(mine))
-             if theirs[k] != mine[k] and not k.startswith(RESUMABLE_CHANGES)
-             and not (config.method == "study" and k == "steps")]
+             if theirs[k] != mine[k] and not k.startswith(RESUMABLE_CHANGES)]
   if changed:
     raise CheckpointError(
         f"{workdir} holds a run configured otherwise: "
@@ -194,10 +187,11 @@ def check_resumable(config, workdir: str) -> None:
 
 # Settings a resumed run may change: how long it runs, how often it logs,
 # evaluates and checkpoints, where its data and devices are.
+# A study's ``steps`` (which of its steps to run) may change too.
 RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every",
                      "train.max_consecutive_skips", "checkpoint.",
                      "eval.batch_size", "data.data_dir", "mesh.",
-                     "distributed.", "ops.")
+                     "distributed.", "ops.", "steps")
 
 
 def _flat(tree, prefix: str = "") -> dict:

@@ -62,13 +62,15 @@ def encode_prompts(prompts: Sequence[str], tokenizer, width: int,
   ``width``, or with ``fit`` the smallest of 16, 32, 64, ... that holds the
   longest prompt (at most ``width``): a few shapes to compile, and no
   attention over padding that a short prompt does not need."""
-  ids = []
+  encoded = {}  # a group's copies of one prompt go through the template once
   for text in prompts:
-    row = tokenizer.prompt_ids(text)
-    if len(row) > width:
-      raise DataError(f"prompt {text[:60]!r}: {len(row)} tokens exceed"
-                      f" data.max_prompt_len={width}")
-    ids.append(row)
+    if text not in encoded:
+      row = tokenizer.prompt_ids(text)
+      if len(row) > width:
+        raise DataError(f"prompt {text[:60]!r}: {len(row)} tokens exceed"
+                        f" data.max_prompt_len={width}")
+      encoded[text] = row
+  ids = [encoded[text] for text in prompts]
   if fit:
     longest = max((len(row) for row in ids), default=1)
     width = min(width, max(16, 1 << (longest - 1).bit_length()))

@@ -21,6 +21,7 @@ import shutil
 import string
 from typing import Protocol, Sequence
 
+from mopd_jax import json_files
 from mopd_jax.errors import DataError
 from mopd_jax.models import chat_template
 
@@ -140,18 +141,10 @@ _WARNED_NO_TEMPLATE: set[str] = set()
 
 def _read_json_object(path: str, missing=None):
   """The JSON object in ``path`` (``missing`` when there is no file)."""
-  if not os.path.exists(path):
-    return missing
   try:
-    with open(path, encoding="utf-8") as f:
-      value = json.load(f)
-  except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-    raise DataError(f"{path}: unreadable ({type(e).__name__}: {e})"
-                    ) from None
-  if not isinstance(value, dict):
-    raise DataError(f"{path}: expected a JSON object, got"
-                    f" {type(value).__name__}")
-  return value
+    return json_files.read_object(path, DataError)
+  except FileNotFoundError:
+    return missing
 
 
 def _token(config: dict, name: str, where: str) -> str | None:

@@ -96,9 +96,13 @@ def _prefill(params, cfg: ModelConfig, prompt, prompt_mask, slots: int):
 @functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=(4,))
 def _decode(params, cfg: ModelConfig, sampling: SamplingConfig, key,
             cache, last_logits, next_position):
-  # Each layer's weights their own buffer, sliced once here rather than
-  # copied out of the stacked arrays at every step of the loop.
-  params = decoder.unstack_layers(params, cfg.num_layers)
+  # On a CPU, each layer's weights their own buffer, sliced once here
+  # rather than copied out of the stacked arrays at every step of the loop
+  # (measured: decode 55.4 -> 45.3 s for SmolLM2-135M at batch 64). Not on
+  # accelerators: unmeasured there, and the copy would double the
+  # parameters' share of device memory while sampling.
+  if jax.default_backend() == "cpu":
+    params = decoder.unstack_layers(params, cfg.num_layers)
   batch = last_logits.shape[0]
   n = sampling.max_new_tokens
   out = jnp.full((batch, n), sampling.pad_id, jnp.int32)

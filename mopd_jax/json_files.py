@@ -1,0 +1,32 @@
+"""Reading the JSON files of runs and checkpoints (``config.json``,
+indexes, tokenizer settings): anything unreadable is one user error
+naming the file. A missing file is left to the caller, which knows what
+its absence means."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mopd_jax.errors import UserError, reason
+
+
+def read_json(path: str, error: type[UserError] = UserError) -> Any:
+  """The JSON value in ``path``; ``error`` when it is unreadable or not
+  JSON (nested too deeply included). ``FileNotFoundError`` propagates."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise
+  except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+    raise error(f"{path}: unreadable ({reason(e)})") from None
+
+
+def read_object(path: str, error: type[UserError] = UserError) -> dict:
+  """``read_json``, which must give a JSON object."""
+  value = read_json(path, error)
+  if not isinstance(value, dict):
+    raise error(f"{path}: expected a JSON object, got"
+                f" {type(value).__name__}")
+  return value
