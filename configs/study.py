@@ -17,7 +17,10 @@ domains every model is evaluated on those domains alone and the experts
 live in ``expert_<kind>_<file stem>``. Variants:
 ``:smoke`` (every step's smoke config; under 2 minutes, for tests), ``:hf``
 (every step's ``:hf`` config, from ``--config.base``: real checkpoints on
-accelerators).
+accelerators), ``:seeds`` (seeds 0, 1, 2: the base shared, everything else
+once per seed in ``seed_<s>/``, the report with 95% intervals over seeds
+and paired differences between paradigms), ``:smoke_seeds`` (two seeds at
+smoke size). Any seeds: ``--config.seeds='(0,1,2,3)'``.
 """
 
 from mopd_jax.recipes import recipe

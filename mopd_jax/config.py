@@ -377,7 +377,15 @@ def _study() -> ml_collections.ConfigDict:
   MOPD, Open-MOPD, then every model evaluated and compared."""
   c = ml_collections.ConfigDict()
   c.method = "study"
-  c.seed = 0
+  c.seed = 0  # the base's
+  # more than one: the base shared, the experts and every fusion method
+  # once per seed (seed_<s>/, each a one-seed study with every step's
+  # seed set to s), the report with intervals over seeds; empty: one
+  # study with every step's default seed, as before
+  c.seeds = ()
+  # seeds trained side by side, each in a process of its own (on a CPU,
+  # up to one per core; on an accelerator 1: the processes would share it)
+  c.seed_processes = 1
   c.steps = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
              "evaluate", "report")
   # the training domains (empty: the built-in four); file domains
@@ -408,8 +416,10 @@ def _study() -> ml_collections.ConfigDict:
       mopd=("train.steps=100", "train.eval_every=25",
             "eval.num_prompts=128")))
   # the final evaluation of every model: test prompts per domain, and
-  # samples per prompt at temperature 1 (pass@k up to k = samples)
-  c.eval = ml_collections.ConfigDict(dict(num_prompts=480, samples=4))
+  # samples per prompt at temperature 1 on the first coverage_prompts of
+  # them (pass@k up to k = samples; coverage at large k)
+  c.eval = ml_collections.ConfigDict(dict(num_prompts=480, samples=64,
+                                          coverage_prompts=64))
   c.mesh = _mesh()
   c.distributed = ml_collections.ConfigDict(dict(
       enabled=False, coordinator_address="", num_processes=0, process_id=-1))
@@ -417,6 +427,12 @@ def _study() -> ml_collections.ConfigDict:
 
 
 _STUDY_CHECKS: Checks = (
+    ("seeds", lambda v: all(isinstance(x, int) and x >= 0 for x in v)
+     and len(set(v)) == len(v), "empty or a tuple of distinct seeds >= 0"),
+    ("seed_processes", _positive, "> 0"),
+    ("eval.num_prompts", _positive, "> 0"),
+    ("eval.samples", lambda v: v >= 0, ">= 0"),
+    ("eval.coverage_prompts", lambda v: v >= 0, ">= 0 (0: all num_prompts)"),
     ("domains", lambda v: all(map(_domain, v)),
      "empty (the built-in four) or a tuple of " + _DOMAIN_NAMES),
     ("merge_methods", lambda v: set(v) <= set(merge.METHODS),

@@ -69,15 +69,21 @@ def run_settings(run_dir: str, settings=None):
 
 
 def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
-                 samples: int = 0, settings=None) -> dict[str, float]:
+                 samples: int = 0, settings=None, coverage_prompts: int = 0
+                 ) -> dict[str, float]:
   """Evaluate the final parameters of ``run_dir`` on ``num_prompts`` test
-  prompts of each of ``domains`` (and their pass@k from ``samples``
-  samples each when > 0), with ``run_settings(run_dir, settings)``; write
-  and return the scalars."""
+  prompts of each of ``domains`` (and pass@k from ``samples`` samples of
+  each of the first ``coverage_prompts`` of them, all when 0, when
+  ``samples > 0``), with ``run_settings(run_dir, settings)``; write the
+  scalars, each prompt's greedy/sampled 1/0 (``outcomes``) and correct
+  sample counts (``coverage``), and return the scalars."""
   if num_prompts <= 0:
     raise ConfigError(f"--num_prompts: {num_prompts} must be > 0")
   if samples < 0:
     raise ConfigError(f"--samples: {samples} must be >= 0")
+  if not 0 <= coverage_prompts <= num_prompts:
+    raise ConfigError(f"--coverage_prompts: {coverage_prompts} must be in"
+                      f" [0, --num_prompts={num_prompts}]")
   config = run_settings(run_dir, settings)
   path = output_path(run_dir, num_prompts, output)
   _check_writable(path, "--output" if output else "--run")
@@ -91,13 +97,22 @@ def evaluate_run(run_dir: str, num_prompts: int, domains, output: str = "",
     params = runs.load_params(run_dir, model_cfg, mesh)
     test = {d: list(exs)[:num_prompts]
             for d, exs in splits.eval_sets(config, domains).items()}
-    eval_fn = evaluator.make_eval_fn(config, model_cfg, tokenizer, test, mesh)
+    outcomes, coverage = {}, {}
+    eval_fn = evaluator.make_eval_fn(config, model_cfg, tokenizer, test, mesh,
+                                     outcomes=outcomes)
     step = checkpointing.newest_step(run_dir)  # the one loaded
     scalars = eval_fn({"params": params}, step)
     if samples:
-      scalars.update(_coverage(config, params, model_cfg, tokenizer, test,
-                               mesh, samples))
-  training.write_json_atomic(path, {"step": step, **scalars})
+      subset = {d: exs[:coverage_prompts or num_prompts]
+                for d, exs in test.items()}
+      coverage = _coverage(config, params, model_cfg, tokenizer, subset,
+                           mesh, samples)
+      scalars.update({f"eval/pass@{k}/{d}": v for d, counts in
+                      coverage["counts"].items()
+                      for k, v in pass_at_k.by_k(samples, counts).items()})
+  training.write_json_atomic(path, {"step": step, **scalars,
+                                    "outcomes": outcomes,
+                                    "coverage": coverage})
   print(f"wrote {path}")
   return scalars
 
@@ -117,19 +132,21 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):
+  """``{samples, counts: {domain: [c_i]}}`` (correct samples per prompt),
+  printing each domain's pass@k."""
   sampling = config_lib.sampling_config(config.sampling, tokenizer,
                                         temperature=config.eval.temperature)
   with parallel.activate(mesh):
-    found = pass_at_k.coverage(
+    counts = pass_at_k.correct_counts(
         params, model_cfg, tokenizer, test, sampling,
         jax.random.fold_in(jax.random.key(config.seed), 3),
         config.eval.batch_size, config.data.max_prompt_len, samples)
   print(f"\npass@k from {samples} samples per prompt:")
-  for domain, by_k in found.items():
-    print(f"  {domain:9s}" + "  ".join(f"@{k} {100 * v:.1f}%"
-                                       for k, v in by_k.items()))
-  return {f"eval/pass@{k}/{d}": v for d, by_k in found.items()
-          for k, v in by_k.items()}
+  for domain, c in counts.items():
+    print(f"  {domain:9s}" + "  ".join(
+        f"@{k} {100 * v:.1f}%" for k, v in pass_at_k.by_k(samples, c).items()))
+  return dict(samples=samples, counts={d: c.tolist()
+                                       for d, c in counts.items()})
 
 
 def define_flags() -> None:
@@ -143,6 +160,9 @@ def define_flags() -> None:
                     "Domains to evaluate (comma-separated).")
   flags.DEFINE_integer("samples", 0, "n > 0: pass@k from n samples per"
                        " prompt (0: no coverage measurement).")
+  flags.DEFINE_integer("coverage_prompts", 0, "pass@k on the first this"
+                       " many test prompts of each domain (0: all"
+                       " --num_prompts).")
   flags.DEFINE_string("output", "", "Where to write the scalars (default:"
                       " <run>/eval_<num_prompts>.json).")
   config_flags.DEFINE_config_file(
@@ -174,7 +194,7 @@ def main() -> None:
   parallel.use_cpu_devices(mesh.get("cpu_devices", 1))
   with convert.as_run(f.run) as run_dir:
     evaluate_run(run_dir, f.num_prompts, f.domains, f.output,
-                 f.samples, settings)
+                 f.samples, settings, f.coverage_prompts)
 
 
 if __name__ == "__main__":

@@ -75,12 +75,16 @@ def _merge(config, variant: str) -> None:
 
 
 def _study(config, variant: str) -> None:
-  if variant == "smoke":
+  if variant.startswith("smoke"):
     config.variant = "smoke"
     config.merge_methods = ("ties",)
     for name in config.overrides:  # the smoke configs' own sizes
       config.overrides[name] = ()
-    config.eval.update(num_prompts=8, samples=2)
+    config.eval.update(num_prompts=8, samples=2, coverage_prompts=4)
+  if variant.endswith("seeds"):
+    config.seeds = (0, 1) if variant.startswith("smoke") else (0, 1, 2)
+    if not variant.startswith("smoke"):
+      config.seed_processes = 2  # the built-in study's 2-core CPU
   elif variant == "hf":
     config.variant = "hf"
     config.mesh.update(data=1, fsdp=-1)
@@ -93,7 +97,7 @@ RECIPES: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "mix_rl": (_mix_rl, ("smoke", "hf")),
     "mopd": (_mopd, ("open", "smoke", "hf")),
     "merge": (_merge, ("smoke", "hf")),
-    "study": (_study, ("smoke", "hf")),
+    "study": (_study, ("smoke", "hf", "seeds", "smoke_seeds")),
 }
 
 

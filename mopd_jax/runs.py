@@ -187,11 +187,13 @@ def check_resumable(config, workdir: str) -> None:
 
 # Settings a resumed run may change: how long it runs, how often it logs,
 # evaluates and checkpoints, where its data and devices are.
-# A study's ``steps`` (which of its steps to run) may change too.
+# A study's ``steps`` (which of its steps to run) and ``seeds`` (each seed
+# its own sub-study) may change too.
 RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every",
                      "train.max_consecutive_skips", "checkpoint.",
                      "eval.batch_size", "data.data_dir", "mesh.",
-                     "distributed.", "ops.", "steps")
+                     "distributed.", "ops.", "steps", "seeds",
+                     "seed_processes")
 
 
 def _flat(tree, prefix: str = "") -> dict:

@@ -44,13 +44,16 @@ def generate(params, model_cfg, tokenizer, prompts: Sequence[str],
 
 
 def grade(domain: str, completions: Sequence[str], examples: Sequence,
-          lengths: Sequence[int]) -> dict[str, float]:
-  """``accuracy`` (fraction with reward 1), mean ``reward`` and ``length``."""
+          lengths: Sequence[int]) -> dict:
+  """``accuracy`` (fraction with reward 1), mean ``reward`` and ``length``,
+  and ``correct``: each prompt's 1/0 (what a seeded study's intervals
+  resample)."""
   verify = get_domain(domain).verify
   rewards = np.array([verify(c, e.answer) for c, e in zip(completions,
                                                            examples)])
   return dict(accuracy=float(np.mean(rewards >= 1.0)),
-              reward=float(np.mean(rewards)), length=float(np.mean(lengths)))
+              reward=float(np.mean(rewards)), length=float(np.mean(lengths)),
+              correct=(rewards >= 1.0).astype(np.int8))
 
 
 def evaluate(params, model_cfg, tokenizer, examples: Mapping[str, Sequence],

@@ -11,13 +11,15 @@ from mopd_jax.evaluation import accuracy
 
 
 def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None,
-                 greedy_only=False, prefix="eval", num_prompts=None):
+                 greedy_only=False, prefix="eval", num_prompts=None,
+                 outcomes=None):
   """Sampled (``eval.temperature``) and greedy accuracy on every domain
   (greedy only when ``greedy_only``), on the first ``num_prompts``
   (default ``eval.num_prompts``) examples of each domain in ``test``.
 
   Prints a table, returns ``<prefix>/<mode>/<domain>/<metric>`` scalars,
-  and hands the final step's scalars to ``on_final``.
+  hands the final step's scalars to ``on_final``, and fills ``outcomes``
+  (when given) with each prompt's 1/0, ``{<mode>/<domain>: [...]}``.
   """
   key = jax.random.fold_in(jax.random.key(config.seed), 1)
   num_prompts = num_prompts or config.eval.num_prompts
@@ -40,7 +42,10 @@ def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None,
     print(f"\n{title} at step {step}:\n" + accuracy.format_table(results))
     scalars = {f"{prefix}/{mode}/{d}/{metric}": value
                for mode, r in results.items() for d, m in r.items()
-               for metric, value in m.items()}
+               for metric, value in m.items() if metric != "correct"}
+    if outcomes is not None:
+      outcomes.update({f"{mode}/{d}": m["correct"].tolist()
+                       for mode, r in results.items() for d, m in r.items()})
     if on_final and step == config.train.steps:
       on_final(scalars)
     return scalars

@@ -11,24 +11,28 @@ from mopd_jax.data.domains import get_domain
 from mopd_jax.evaluation import accuracy
 
 
-def pass_at_k(num_samples: int, num_correct: np.ndarray, k: int) -> float:
-  """Mean over prompts of the unbiased estimator
-  ``pass@k = 1 - C(n - c, k) / C(n, k)``: the chance that at least one of
-  ``k`` samples drawn without replacement from the ``n`` graded ones is
-  correct (``c`` of them are). Computed as the product
-  ``prod_{i = n - c + 1}^{n} (1 - k / i)``, which avoids huge binomials.
-  """
+def per_prompt(num_samples: int, num_correct: np.ndarray, k: int
+               ) -> np.ndarray:
+  """Each prompt's unbiased estimator ``pass@k = 1 - C(n - c, k) / C(n, k)``:
+  the chance that at least one of ``k`` samples drawn without replacement
+  from the ``n`` graded ones is correct (``c`` of them are). Computed as
+  ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)``, which avoids huge
+  binomials."""
   if not 1 <= k <= num_samples:
     raise ValueError(f"k={k} must be in [1, n={num_samples}]")
-  c = np.asarray(num_correct)
   values = []
-  for correct in c.reshape(-1):
+  for correct in np.asarray(num_correct).reshape(-1):
     if num_samples - correct < k:
       values.append(1.0)
     else:
       i = np.arange(num_samples - correct + 1, num_samples + 1)
       values.append(1.0 - float(np.prod(1.0 - k / i)))
-  return float(np.mean(values))
+  return np.array(values)
+
+
+def pass_at_k(num_samples: int, num_correct: np.ndarray, k: int) -> float:
+  """The mean over prompts of ``per_prompt``."""
+  return float(np.mean(per_prompt(num_samples, num_correct, k)))
 
 
 def ks_up_to(num_samples: int) -> Sequence[int]:
@@ -38,11 +42,12 @@ def ks_up_to(num_samples: int) -> Sequence[int]:
   return ks if ks[-1] == num_samples else ks + [num_samples]
 
 
-def coverage(params, model_cfg, tokenizer, examples: Mapping[str, Sequence],
-             sampling, key: jax.Array, batch_size: int, width: int,
-             num_samples: int) -> dict[str, dict[int, float]]:
-  """``{domain: {k: pass@k}}`` from ``num_samples`` completions of every
-  example, graded by the domain's verifier, for ``k`` in ``ks_up_to``."""
+def correct_counts(params, model_cfg, tokenizer,
+                   examples: Mapping[str, Sequence], sampling, key: jax.Array,
+                   batch_size: int, width: int, num_samples: int
+                   ) -> dict[str, np.ndarray]:
+  """``{domain: [c_i]}``: how many of ``num_samples`` completions of each
+  example its domain's verifier grades correct."""
   out = {}
   for i, (name, exs) in enumerate(sorted(examples.items())):
     prompts = [e.prompt for e in exs for _ in range(num_samples)]
@@ -52,7 +57,12 @@ def coverage(params, model_cfg, tokenizer, examples: Mapping[str, Sequence],
     verify = get_domain(name).verify
     answers = [e.answer for e in exs for _ in range(num_samples)]
     correct = np.array([verify(t, a) >= 1.0 for t, a in zip(texts, answers)])
-    counts = correct.reshape(len(exs), num_samples).sum(axis=1)
-    out[name] = {k: pass_at_k(num_samples, counts, k)
-                 for k in ks_up_to(num_samples)}
+    out[name] = correct.reshape(len(exs), num_samples).sum(axis=1)
   return out
+
+
+def by_k(num_samples: int, counts: np.ndarray) -> dict[int, float]:
+  """``{k: pass@k}`` for ``k`` in ``ks_up_to(num_samples)``."""
+  return {k: pass_at_k(num_samples, counts, k)
+          for k in ks_up_to(num_samples)}
+

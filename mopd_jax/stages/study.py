@@ -8,6 +8,12 @@ process (``stages.run``), so a re-run skips finished steps (their
 single run does. ``steps`` selects a subset; ``base`` and ``experts`` plug
 in existing runs. The report is ``results.json`` and ``report.md`` with
 figures (``evaluation/report.py``, ``evaluation/study_report.py``).
+
+With ``seeds`` (more than none) the base is trained once and each seed is
+a one-seed study of its own in ``<workdir>/seed_<s>`` (an ordinary run,
+resumed or skipped as any step is) with every step's ``seed`` set to
+``s``; the report then gives means over seeds with intervals and paired
+differences between paradigms (``evaluation/seeded.py``).
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import ml_collections
 
 from mopd_jax import config as config_lib
 from mopd_jax import checkpointing, recipes, runs, stages
-from mopd_jax.atomic import write_json_atomic
+from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
+                             write_text_atomic)
 from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
 from mopd_jax.data import files
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluate import eval_file_name, evaluate_run
-from mopd_jax.evaluation import headroom, report, study_report
+from mopd_jax.evaluation import headroom, report, seeded, study_report
 from mopd_jax.fusion.teachers import parse_teachers
 from mopd_jax.metrics import read_metrics
 from mopd_jax.models.config import ModelConfig
@@ -142,6 +149,85 @@ class Study:
     stages.run(self.child_config(name, **fields), workdir)
 
 
+def seed_dir(workdir: str, seed: int) -> str:
+  return os.path.join(workdir, f"seed_{seed}")
+
+
+def seed_config(config, seed: int, workdir: str):
+  """Seed ``seed`` of a seeded study: a one-seed study of the same steps
+  (the base's aside) from the shared base, every step's ``seed`` set to
+  ``seed`` (after ``overrides.all``, before each step's own)."""
+  c = config.copy_and_resolve_references()
+  c.seeds = ()
+  c.base = config.base or os.path.join(workdir, "base")
+  c.steps = tuple(s for s in config.steps if s != "base")
+  c.overrides.all = tuple(config.overrides.all) + (f"seed={seed}",)
+  return c
+
+
+def _seed_tasks(study: Study, seed: int):
+  """The seed's sub-study as one task; its config thunk builds every step
+  config of the seed (nothing is run or read)."""
+  config = seed_config(study.config, seed, study.workdir)
+  workdir = seed_dir(study.workdir, seed)
+
+  def run_seed():
+    if os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
+      print(f"study: seed {seed} finished before ({workdir})")
+      return
+    stages.run(config, workdir)
+
+  def configs():
+    for *_, child in _tasks(Study(config, workdir)):
+      if child is not None:
+        child()
+  return ("seed", f"seed {seed}", run_seed, configs)
+
+
+def _seed_process(config, workdir: str, log: str) -> None:
+  """One seed's sub-study in a process of its own (spawned: JAX is not
+  fork-safe), its output in ``log``."""
+  import sys
+  from mopd_jax import parallel
+  with open(log, "a", encoding="utf-8", buffering=1) as out:
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    sys.stdout = sys.stderr = out
+    parallel.use_cpu_devices(config.mesh.cpu_devices)
+    stages.run(config, workdir)
+
+
+def _run_side_by_side(study: Study) -> None:
+  """Every seed's sub-study, ``seed_processes`` at a time: independent
+  programs of one shape, so on a CPU each process takes a core (one
+  process runs the toy's small ops on one). A seed's error is raised
+  here, the others left to finish or resume."""
+  import concurrent.futures
+  import multiprocessing
+  c = study.config
+  todo = [s for s in c.seeds if not os.path.exists(os.path.join(
+      seed_dir(study.workdir, s), SUMMARY_FILE))]
+  for s in c.seeds:
+    if s not in todo:
+      print(f"study: seed {s} finished before")
+  with concurrent.futures.ProcessPoolExecutor(
+      c.seed_processes, mp_context=multiprocessing.get_context("spawn")
+  ) as pool:
+    futures = {}
+    for s in todo:
+      workdir = seed_dir(study.workdir, s)
+      os.makedirs(workdir, exist_ok=True)
+      log = os.path.join(workdir, "study.log")
+      print(f"study: seed {s} in a process of its own (log: {log})",
+            flush=True)
+      futures[pool.submit(_seed_process,
+                          seed_config(c, s, study.workdir), workdir,
+                          log)] = s
+    for future in concurrent.futures.as_completed(futures):
+      future.result()
+      print(f"study: seed {futures[future]} finished", flush=True)
+
+
 def _tasks(study: Study):
   """``(step, label, thunk, config)`` of every run the selected steps make;
   ``config()`` builds (and validates) the run's config, None for the
@@ -156,6 +242,19 @@ def _tasks(study: Study):
 
   if "base" in c.steps and not c.base:
     train("base", "base", "pretrain", study.base, seed=c.seed)
+  if c.seeds:
+    seeds = [_seed_tasks(study, s) for s in c.seeds]
+    if c.seed_processes > 1:  # one task: the seeds side by side
+      tasks.append(("seeds", f"seeds {', '.join(map(str, c.seeds))} in"
+                    f" {c.seed_processes} processes",
+                    lambda: _run_side_by_side(study),
+                    lambda: [child() for *_, child in seeds]))
+    else:
+      tasks += seeds
+    if "report" in c.steps:
+      tasks.append(("report", "report over seeds",
+                    lambda: write_seeded_results(study), None))
+    return tasks
   if "experts" in c.steps and not c.experts:
     for d in study.domains:
       train("experts", f"expert {d}", "grpo", study.experts[d], domain=d,
@@ -205,7 +304,8 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     evaluate_run(run_dir, c.num_prompts, list(study.eval_domains),
                  output=path, samples=c.samples,
-                 settings=study.eval_settings)
+                 settings=study.eval_settings,
+                 coverage_prompts=c.coverage_prompts)
 
 
 # Minutes each kind of task took in the default study on the 2-core CPU
@@ -213,6 +313,12 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
 # target: 0.7-3.1): the ETA's prior, rescaled by this machine's pace.
 MINUTES = {"base": 5.1, "experts": 1.5, "merge": 0.33, "mix_rl": 4.6,
            "mopd": 4.8, "open_mopd": 5.4, "evaluate": 0.23, "report": 0.05}
+# a seed of a seeded study: four experts, seven merges, Mix RL, MOPD,
+# Open-MOPD, fourteen evaluations
+MINUTES["seed"] = (4 * MINUTES["experts"] + 7 * MINUTES["merge"]
+                   + MINUTES["mix_rl"] + MINUTES["mopd"]
+                   + MINUTES["open_mopd"] + 14 * MINUTES["evaluate"])
+MINUTES["seeds"] = 2 * MINUTES["seed"]  # three seeds, two at a time
 
 
 def eta_minutes(kinds, ran: list[tuple[str, float]]) -> float | None:
@@ -343,7 +449,8 @@ def write_results(study: Study) -> dict:
       task_vectors = json.load(f)
   results = dict(
       domains=list(study.domains), held_out=list(study.held_out),
-      eval=dict(num_prompts=c.num_prompts, samples=c.samples),
+      eval=dict(num_prompts=c.num_prompts, samples=c.samples,
+                coverage_prompts=c.coverage_prompts),
       methods=entries,
       transfer=report.transfer({d: experts[d]["greedy"]
                                 for d in study.domains}, base["greedy"],
@@ -358,6 +465,61 @@ def write_results(study: Study) -> dict:
   study_report.write(study.workdir, results, curves)
   print(f"study: wrote {os.path.join(study.workdir, RESULTS_FILE)} and"
         " report.md\n" + results["recommendation"]["text"])
+  return results
+
+
+def _per_prompt(study: Study) -> tuple[dict, dict]:
+  """``(outcomes, coverage)`` of every model evaluated in ``study``:
+  ``{model: {"<mode>/<domain>": [1/0 per prompt]}}`` and ``{model:
+  {samples, counts: {domain: [correct samples per prompt]}}}``, the oracle
+  composed from each expert on its own domain."""
+  outcomes, coverage = {}, {}
+  for model in study.models():
+    path = evaluation_path(study, model)
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        found = json.load(f)
+      outcomes[model] = found.get("outcomes", {})
+      if found.get("coverage"):
+        coverage[model] = found["coverage"]
+  outcomes["oracle"] = {key: outcomes[f"expert/{d}"][key]
+                        for d in study.domains
+                        for key in outcomes.get(f"expert/{d}", {})
+                        if key.endswith(f"/{d}")}
+  if all(f"expert/{d}" in coverage for d in study.domains):
+    coverage["oracle"] = dict(
+        samples=min(coverage[f"expert/{d}"]["samples"]
+                    for d in study.domains),
+        counts={d: coverage[f"expert/{d}"]["counts"][d]
+                for d in study.domains})
+  return outcomes, coverage
+
+
+def write_seeded_results(study: Study) -> dict:
+  """``results.json`` and ``report.md`` (+ the pass@k figure) over the
+  seeds, from each seed's results and per-prompt outcomes."""
+  per_seed, outcomes, coverage = [], [], []
+  for seed in study.config.seeds:
+    workdir = seed_dir(study.workdir, seed)
+    path = os.path.join(workdir, RESULTS_FILE)
+    if not os.path.exists(path):
+      raise ConfigError(f"study: seed {seed} has no {RESULTS_FILE} ({path});"
+                        " run its steps evaluate and report first")
+    with open(path, encoding="utf-8") as f:
+      per_seed.append(json.load(f))
+    found = _per_prompt(Study(seed_config(study.config, seed, study.workdir),
+                              workdir))
+    outcomes.append(found[0])
+    coverage.append(found[1])
+  results = seeded.aggregate(study.config.seeds, per_seed, outcomes, coverage)
+  write_json_atomic(os.path.join(study.workdir, RESULTS_FILE), results)
+  png = seeded.coverage_figure(results)
+  if png:
+    write_bytes_atomic(os.path.join(study.workdir, "pass_at_k.png"), png)
+  write_text_atomic(os.path.join(study.workdir, study_report.REPORT_FILE),
+                    seeded.markdown(results))
+  print(f"study: wrote {os.path.join(study.workdir, RESULTS_FILE)} and"
+        " report.md over seeds\n" + results["recommendation"]["text"])
   return results
 
 
@@ -388,6 +550,10 @@ def check(config) -> None:
                                   "experts").values():
       if not os.path.isdir(os.path.expanduser(run_dir)):
         raise ConfigError(f"experts: {run_dir} is not a run directory")
+  if config.eval.coverage_prompts > config.eval.num_prompts:
+    raise ConfigError(f"eval.coverage_prompts: {config.eval.coverage_prompts}"
+                      f" must be <= eval.num_prompts"
+                      f" ({config.eval.num_prompts})")
   bad = [s for s in config.steps if s not in STEPS]
   if bad:
     raise ConfigError(f"steps: unknown step {bad[0]!r}; known: "

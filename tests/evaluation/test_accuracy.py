@@ -32,13 +32,16 @@ def test_evaluate_uniform_model_is_always_wrong():
   sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
   out = accuracy.evaluate(params, CFG, TOK, exs, sampling, jax.random.key(0),
                           4, 16)
+  correct = out["instruct"].pop("correct")
   assert out["instruct"] == dict(accuracy=0.0, reward=0.0, length=4.0)
+  assert correct.tolist() == [0, 0, 0] and len(out["add"]["correct"]) == 1
   assert set(out) == {"instruct", "add"}
 
 
 def test_grade_with_the_domain_verifier():
   exs = [Example("add 1+2=", "3", "add"), Example("add 5+5=", "10", "add")]
   out = accuracy.grade("add", ["3", "11"], exs, [2, 3])
+  assert out.pop("correct").tolist() == [1, 0]
   assert out == dict(accuracy=0.5, reward=0.5, length=2.5)
   out = accuracy.grade("chain", ["1+2=3;#3"],
                        [Example("sum 1 2:", "1+2=3;#3", "chain")], [9])

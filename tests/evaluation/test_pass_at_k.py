@@ -6,7 +6,8 @@ import pytest
 
 from mopd_jax.data.domains import Example
 from mopd_jax.evaluation import accuracy
-from mopd_jax.evaluation.pass_at_k import coverage, ks_up_to, pass_at_k
+from mopd_jax.evaluation.pass_at_k import (by_k, correct_counts, ks_up_to,
+                                          pass_at_k, per_prompt)
 
 
 def _enumerated(n, c, k):
@@ -21,8 +22,11 @@ def test_pass_at_k_matches_enumerating_every_subset(n):
   rng = np.random.default_rng(0)
   correct = rng.integers(0, n + 1, size=7)
   for k in range(1, n + 1):
-    expected = np.mean([_enumerated(n, int(c), k) for c in correct])
-    assert pass_at_k(n, correct, k) == pytest.approx(expected, abs=1e-12)
+    expected = [_enumerated(n, int(c), k) for c in correct]
+    np.testing.assert_allclose(per_prompt(n, correct, k), expected,
+                               atol=1e-12)
+    assert pass_at_k(n, correct, k) == pytest.approx(np.mean(expected),
+                                                     abs=1e-12)
 
 
 def test_pass_at_1_is_accuracy_and_edges():
@@ -50,9 +54,11 @@ def test_coverage_grades_each_prompts_samples_together(monkeypatch):
     return texts, [1] * len(texts)
 
   monkeypatch.setattr(accuracy, "generate", fake_generate)
-  out = coverage(None, None, None, {"add": exs}, None, jax.random.key(0), 8,
-                 8, 4)
-  assert list(out) == ["add"] and list(out["add"]) == [1, 2, 4]
+  counts = correct_counts(None, None, None, {"add": exs}, None,
+                          jax.random.key(0), 8, 8, 4)
+  assert list(counts) == ["add"] and counts["add"].tolist() == [0, 1, 2]
+  out = {"add": by_k(4, counts["add"])}
+  assert list(out["add"]) == [1, 2, 4]
   assert out["add"][1] == pytest.approx((0 + 1 / 4 + 2 / 4) / 3)
   assert out["add"][2] == pytest.approx((0 + 1 / 2 + 5 / 6) / 3)
   assert out["add"][4] == pytest.approx(2 / 3)

@@ -96,6 +96,43 @@ def test_rerun_skips_finished_steps(study, data_dir, cached_env, smoke_run):
   assert (workdir / "results.json").read_text() == before
 
 
+def test_a_seeded_study_on_the_smoke_studys_experts(study, data_dir,
+                                                    cached_env, smoke_run):
+  """Two seeds of Merge and Mix RL on the smoke study's experts: each seed
+  its own one-seed study (every step's seed set), the report over seeds
+  with intervals and paired differences; the shared base and experts are
+  only read."""
+  experts = f"{study[0]}/expert_{{domain}}"
+  workdir = study[0].parent / "seeded"
+  result = train_cli(f"--config={ROOT}/configs/study.py:smoke_seeds",
+                     f"--workdir={workdir}", f"--config.base={smoke_run[0]}",
+                     f"--config.experts={experts}",
+                     "--config.steps=('merge','mix_rl','evaluate','report')",
+                     "--config.seed_processes=2",
+                     f"--config.data_dir={data_dir}", env=cached_env,
+                     timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads((workdir / "results.json").read_text())
+  assert results["seeds"] == [0, 1] and set(results["per_seed"]) == {"0",
+                                                                     "1"}
+  for seed in (0, 1):
+    child = json.loads((workdir / f"seed_{seed}" / "mix_rl" /
+                        "config.json").read_text())
+    assert child["seed"] == seed
+    assert (workdir / f"seed_{seed}" / "report.md").exists()
+  cell = results["methods"]["mix_rl"]["accuracy"]["add"]
+  assert cell["seeds"] == 2 and cell["low"] <= cell["mean"] <= cell["high"]
+  assert results["paradigms"] == {"merge": "merge/ties", "mix_rl": "mix_rl"}
+  diff = results["differences"]["merge/ties - mix_rl"]
+  assert diff["mean"]["seeds"] == 2 and diff["mean"]["prompts"] == 8
+  assert set(diff["pass@k"]) == {f"{k}/{d}" for k in (1, 2) for d in
+                                 results["domains"]}
+  text = (workdir / "report.md").read_text()
+  assert "# Fusion study over seeds" in text and "## Paired differences" in text
+  assert "Over 2 seed(s) x 8 test prompts" in text
+  assert not (workdir / "base").exists()
+
+
 def test_a_study_on_file_domains(tmp_path, data_dir, cached_env, smoke_run):
   """The study on two of the user's own math files from a given base:
   GRPO experts (in folders named by kind and file), Merge, every model
@@ -266,3 +303,27 @@ def test_a_study_rerun_with_other_settings_is_refused(tmp_path):
   with pytest.raises(CheckpointError, match=r"configured otherwise: "
                      r"overrides.mix_rl .* seed \(0 -> 7\)"):
     runs.check_resumable(again, str(tmp_path))
+
+
+def test_seeds_one_at_a_time_each_a_one_seed_study(tmp_path):
+  """Sequential seeds: the base once (its own seed), then one task per
+  seed, whose sub-study has no base step and every step's seed set; a bad
+  override of any seed's step is refused before anything runs."""
+  config = load_config("study", "smoke_seeds")
+  assert config.seeds == (0, 1) and config.seed_processes == 1
+  study = study_stage.Study(config_lib.validate(config), str(tmp_path))
+  tasks = study_stage._tasks(study)
+  assert [t[1] for t in tasks] == ["base", "seed 0", "seed 1",
+                                   "report over seeds"]
+  sub = study_stage.seed_config(study.config, 1, str(tmp_path))
+  assert sub.seeds == () and "base" not in sub.steps
+  assert sub.base == str(tmp_path / "base")
+  child = study_stage.Study(sub, str(tmp_path / "seed_1")).child_config(
+      "grpo", domain="add", init=sub.base)
+  assert child.seed == 1
+  config.overrides.mopd = ("nonsense=1",)
+  with pytest.raises(ConfigError, match="overrides.mopd: nonsense"):
+    stages.run(config_lib.validate(config), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+  config = load_config("study", "seeds")
+  assert config.seeds == (0, 1, 2) and config.seed_processes == 2

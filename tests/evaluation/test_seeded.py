@@ -1,0 +1,105 @@
+"""The seeded study's comparison on outcomes built to have a known answer:
+MOPD right on every ``a`` prompt where Mix RL and the merge are wrong;
+every paradigm identical on ``b``."""
+
+import numpy as np
+import pytest
+
+from mopd_jax.evaluation import headroom, intervals, report, seeded
+
+DOMAINS = ["a", "b"]
+N = 40
+
+
+def _outcomes(seed):
+  rng = np.random.default_rng(seed)
+  shared_b = (rng.random(N) < 0.5).astype(int)
+  noise = (rng.random(N) < 0.2).astype(int)
+  per_model = {
+      "base": {"a": np.zeros(N, int), "b": shared_b},
+      "expert/a": {"a": np.ones(N, int), "b": shared_b},
+      "expert/b": {"a": np.zeros(N, int), "b": shared_b},
+      "merge/ties": {"a": noise, "b": shared_b},
+      "mix_rl": {"a": noise, "b": shared_b},
+      "mopd": {"a": np.ones(N, int), "b": shared_b},
+  }
+  return {m: {f"greedy/{d}": v.tolist() for d, v in o.items()}
+          for m, o in per_model.items()}
+
+
+def _results(outcomes):
+  scalars = {m: {f"eval/{mode}/{key.split('/')[1]}/accuracy": float(
+      np.mean(v)) for key, v in o.items() for mode in report.MODES}
+             for m, o in outcomes.items()}
+  for m, s in scalars.items():
+    s.update({f"eval/pass@{k}/{d}": 0.1 * k for d in DOMAINS for k in (1, 2)})
+  base = {mode: headroom.accuracies(scalars["base"], mode)
+          for mode in report.MODES}
+  oracle = {mode: {d: headroom.accuracies(scalars[f"expert/{d}"], mode)[d]
+                   for d in DOMAINS} for mode in report.MODES}
+  methods = {m: report.model_entry(s, base, oracle, DOMAINS, [], N)
+             for m, s in scalars.items()}
+  return dict(domains=DOMAINS, held_out=[], methods=methods,
+              eval=dict(num_prompts=N, samples=2))
+
+
+def _coverage(outcomes):
+  return {m: dict(samples=2, counts={d: (2 * np.array(o[f"greedy/{d}"])
+                                         ).tolist() for d in DOMAINS})
+          for m, o in outcomes.items()}
+
+
+@pytest.fixture(scope="module")
+def aggregated():
+  seeds = [0, 1, 2]
+  outcomes = [_outcomes(s) for s in seeds]
+  return seeded.aggregate(seeds, [_results(o) for o in outcomes], outcomes,
+                          [_coverage(o) for o in outcomes])
+
+
+def test_cells_are_means_over_seeds_with_t_intervals(aggregated):
+  per = [float(np.mean(_outcomes(s)["mix_rl"]["greedy/a"])) for s in range(3)]
+  cell = aggregated["methods"]["mix_rl"]["accuracy"]["a"]
+  assert cell == pytest.approx(intervals.seed_interval(per))
+  assert aggregated["methods"]["mopd"]["accuracy"]["a"]["mean"] == 1.0
+  assert aggregated["methods"]["mopd"]["headroom_recovery"]["a"][
+      "mean"] == pytest.approx(1.0)
+  assert aggregated["methods"]["base"]["pass_at_k"]["a"][2][
+      "mean"] == pytest.approx(0.2)
+
+
+def test_winner_only_where_the_difference_excludes_zero(aggregated):
+  rec = aggregated["recommendation"]
+  assert aggregated["paradigms"] == {"merge": "merge/ties",
+                                     "mix_rl": "mix_rl", "mopd": "mopd"}
+  assert rec["winners"]["a"] == "mopd"
+  assert rec["winners"]["b"] is None
+  assert set(rec["tied"]["b"]) == {"merge", "mix_rl", "mopd"}
+  diff = aggregated["differences"]["merge/ties - mopd"]
+  assert diff["b"]["mean"] == diff["b"]["low"] == diff["b"]["high"] == 0.0
+  assert diff["a"]["high"] < 0
+  # merge and Mix RL have equal outcomes: tied on both domains
+  assert aggregated["differences"]["merge/ties - mix_rl"]["mean"][
+      "mean"] == 0.0
+  assert "3 seed(s) x 40 test prompts" in rec["text"]
+  assert "b: tied" in rec["text"] and "a: mopd" in rec["text"]
+
+
+def test_pass_at_k_differences_and_report(aggregated):
+  diff = aggregated["differences"]["mix_rl - mopd"]["pass@k"]
+  assert set(diff) == {"1/a", "1/b", "2/a", "2/b"}
+  assert diff["2/b"]["mean"] == 0.0 and diff["1/a"]["high"] < 0
+  text = seeded.markdown(aggregated)
+  assert "| mopd | 100.0 [100.0, 100.0]" in text
+  assert "## Paired differences" in text and "## Coverage" in text
+  assert seeded.coverage_figure(aggregated)[:4] == b"\x89PNG"
+
+
+def test_one_seed_has_no_intervals_and_names_no_false_winner():
+  outcomes = [_outcomes(0)]
+  out = seeded.aggregate([0], [_results(outcomes[0])], outcomes,
+                         [_coverage(outcomes[0])])
+  assert out["methods"]["mopd"]["accuracy"]["a"]["low"] is None
+  # one seed: the prompt-level bootstrap still separates a, ties b
+  assert out["recommendation"]["winners"]["a"] == "mopd"
+  assert out["recommendation"]["winners"]["b"] is None
