@@ -31,7 +31,7 @@ def _results(outcomes):
   scalars = {m: {f"eval/{mode}/{key.split('/')[1]}/accuracy": float(
       np.mean(v)) for key, v in o.items() for mode in report.MODES}
              for m, o in outcomes.items()}
-  for m, s in scalars.items():
+  for s in scalars.values():
     s.update({f"eval/pass@{k}/{d}": 0.1 * k for d in DOMAINS for k in (1, 2)})
   base = {mode: headroom.accuracies(scalars["base"], mode)
           for mode in report.MODES}
