@@ -97,23 +97,28 @@ def run(main: Callable[..., None], commands: tuple[str, ...] = ()) -> None:
              f" {' '.join(args) or 'none'}")
     elif args:
       fail(f"unexpected arguments: {' '.join(args)}")
-    # SIGTERM outside a training loop (a merge, an evaluation, the report)
-    # ends like a Ctrl-C: one line, exit 2; the loop installs its own,
-    # which checkpoints the step first.
-    signal.signal(signal.SIGTERM, _terminated)
     if not flags.FLAGS["verbosity"].present:
       # Library logs, errors included (Orbax logs a failed background save
       # with its traceback), would bury the one line that says what to do.
       logging.set_verbosity(logging.FATAL)
-    try:
-      main(*args)
-    except UserError as e:
-      _exit(str(e))
-    except KeyboardInterrupt:
-      _exit("interrupted; the same command resumes from the last checkpoint")
+    guarded(main, *args)
 
   _split_dotted_paths()
   app.run(wrapped, flags_parser=parse_flags)
+
+
+def guarded(main: Callable[..., None], *args) -> None:
+  """``main(*args)`` under the contract: a ``UserError`` or an interrupt
+  is one line and exit code 2. SIGTERM outside a training loop (a merge,
+  an evaluation, the report) ends like a Ctrl-C; the loop installs its
+  own, which checkpoints the step first."""
+  signal.signal(signal.SIGTERM, _terminated)
+  try:
+    main(*args)
+  except UserError as e:
+    _exit(str(e))
+  except KeyboardInterrupt:
+    _exit("interrupted; the same command resumes from the last checkpoint")
 
 
 def _terminated(signum, frame):

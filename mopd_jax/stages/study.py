@@ -186,46 +186,67 @@ def _seed_tasks(study: Study, seed: int):
 
 def _seed_process(config, workdir: str, log: str) -> None:
   """One seed's sub-study in a process of its own (spawned: JAX is not
-  fork-safe), its output in ``log``."""
+  fork-safe), its output and its error line in ``log``; exits 2 on a
+  user error, as the command line does."""
   import sys
-  from mopd_jax import parallel
+  from mopd_jax import cli, parallel
   with open(log, "a", encoding="utf-8", buffering=1) as out:
     os.dup2(out.fileno(), 1)
     os.dup2(out.fileno(), 2)
     sys.stdout = sys.stderr = out
-    parallel.use_cpu_devices(config.mesh.cpu_devices)
-    stages.run(config, workdir)
+
+    def main():
+      parallel.use_cpu_devices(config.mesh.cpu_devices)
+      stages.run(config, workdir)
+    cli.guarded(main)
 
 
 def _run_side_by_side(study: Study) -> None:
   """Every seed's sub-study, ``seed_processes`` at a time: independent
   programs of one shape, so on a CPU each process takes a core (one
-  process runs the toy's small ops on one). A seed's error is raised
-  here, the others left to finish or resume."""
-  import concurrent.futures
+  process runs the toy's small ops on one). A seed that fails stops the
+  others (each checkpoints, as on SIGTERM; a re-run resumes them) and is
+  one error line naming its log; so does this process being stopped."""
   import multiprocessing
+  import time as time_lib
   c = study.config
-  todo = [s for s in c.seeds if not os.path.exists(os.path.join(
-      seed_dir(study.workdir, s), SUMMARY_FILE))]
+  context = multiprocessing.get_context("spawn")
+  waiting = []
   for s in c.seeds:
-    if s not in todo:
+    if os.path.exists(os.path.join(seed_dir(study.workdir, s), SUMMARY_FILE)):
       print(f"study: seed {s} finished before")
-  with concurrent.futures.ProcessPoolExecutor(
-      c.seed_processes, mp_context=multiprocessing.get_context("spawn")
-  ) as pool:
-    futures = {}
-    for s in todo:
-      workdir = seed_dir(study.workdir, s)
-      os.makedirs(workdir, exist_ok=True)
-      log = os.path.join(workdir, "study.log")
-      print(f"study: seed {s} in a process of its own (log: {log})",
-            flush=True)
-      futures[pool.submit(_seed_process,
-                          seed_config(c, s, study.workdir), workdir,
-                          log)] = s
-    for future in concurrent.futures.as_completed(futures):
-      future.result()
-      print(f"study: seed {futures[future]} finished", flush=True)
+    else:
+      waiting.append(s)
+  running: dict = {}  # seed -> (process, log)
+  try:
+    while waiting or running:
+      while waiting and len(running) < c.seed_processes:
+        s = waiting.pop(0)
+        workdir = seed_dir(study.workdir, s)
+        os.makedirs(workdir, exist_ok=True)
+        log = os.path.join(workdir, "study.log")
+        process = context.Process(
+            target=_seed_process, args=(seed_config(c, s, study.workdir),
+                                        workdir, log), daemon=True)
+        process.start()
+        running[s] = (process, log)
+        print(f"study: seed {s} in a process of its own (log: {log})",
+              flush=True)
+      for s, (process, log) in list(running.items()):
+        if process.exitcode is None:
+          continue
+        del running[s]
+        if process.exitcode != 0:
+          raise ConfigError(f"study: seed {s} failed (exit"
+                            f" {process.exitcode}); its last lines are in"
+                            f" {log}")
+        print(f"study: seed {s} finished", flush=True)
+      time_lib.sleep(0.5)
+  finally:
+    for process, _ in running.values():  # they checkpoint and stop
+      process.terminate()
+    for process, _ in running.values():
+      process.join()
 
 
 def _tasks(study: Study):
