@@ -336,11 +336,8 @@ def _merge() -> ml_collections.ConfigDict:
   c.merge = ml_collections.ConfigDict({
       "method": "task_arithmetic",
       "weights": (),  # one per expert, in data.domains order; empty: 1 each
-      "lambda": 1.0,  # factor on the mixed task vector
-      "density": 1.0,  # fraction of each task vector kept (sparsifiers)
-      "gamma": 0.01,  # breadcrumbs: fraction of the largest entries dropped
-      "t": 0.5,  # slerp: from the first expert (0) to the second (1)
-      "tolerance": 0.0,  # sparse_union: |tau| above it counts as changed
+      # lambda, density, gamma, t, tolerance: merge.PARAMETERS
+      **{p.name: p.default for p in merge.PARAMETERS.values()},
       "normalize": "auto",  # auto (the method's mergekit default) | on | off
       "rescale": True,  # DARE: survivors divided by density
       # per-leaf settings by name pattern, first match wins:
@@ -359,15 +356,13 @@ def _merge() -> ml_collections.ConfigDict:
 _MERGE_CHECKS: Checks = (
     ("merge.method", lambda v: v in merge.METHODS,
      "one of " + ", ".join(merge.METHODS)),
-    ("merge.density", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("merge.gamma", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("merge.t", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("merge.tolerance", _non_negative, ">= 0"),
+    *((f"merge.{p.name}", p.valid, p.must_be)
+      for p in merge.PARAMETERS.values()),
     ("merge.normalize", lambda v: v in merge.NORMALIZE,
      " or ".join(merge.NORMALIZE)),
-    ("merge.sweep_lambdas", lambda v: len(v) > 0, "a non-empty tuple"),
-    ("merge.sweep_densities", lambda v: len(v) > 0 and all(
-        0 < d <= 1 for d in v), "a non-empty tuple of values in (0, 1]"),
+    *((f"merge.sweep_{p.name}s", lambda v, p=p: len(v) > 0 and all(
+        map(p.valid, v)), f"a non-empty tuple of values {p.must_be}")
+      for p in (merge.PARAMETERS["lambda"], merge.PARAMETERS["density"])),
     ("merge.sweep_prompts", _positive, "> 0"),
 )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -44,10 +45,42 @@ METHODS = ("linear", *_GTA, "model_stock", "slerp", "karcher",
 # sparsify the task vectors to a density (what a sweep can tune).
 SCALED = (*_GTA, "sparse_union")
 SPARSIFIED = tuple(m for m, (how, _, _) in _GTA.items() if how)
-# Settings a name-pattern override may change; a value "a..b" ramps
-# linearly over the layers of a stacked leaf.
-OVERRIDABLE = ("density", "gamma", "lambda", "t", "tolerance")
 NORMALIZE = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+  """A numeric merge parameter, declared once: its mergekit name (the
+  config field ``merge.<name>`` and the key of a name-pattern override),
+  default, valid values (``valid``, described by ``must_be``) and what it
+  does. Every one can be set per tensor by ``merge.overrides``."""
+  name: str
+  default: float
+  valid: Callable[[float], bool]
+  must_be: str
+  help: str
+
+
+PARAMETERS = {p.name: p for p in (
+    Parameter("lambda", 1.0, math.isfinite, "a finite number",
+              "factor on the mixed task vector"),
+    Parameter("density", 1.0, lambda v: 0 < v <= 1, "in (0, 1]",
+              "fraction of each task vector kept (sparsifying methods)"),
+    Parameter("gamma", 0.01, lambda v: 0 <= v < 1, "in [0, 1)",
+              "breadcrumbs: fraction of the largest entries dropped"),
+    Parameter("t", 0.5, lambda v: 0 <= v <= 1, "in [0, 1]",
+              "slerp: from the first expert (0) to the second (1)"),
+    Parameter("tolerance", 0.0, lambda v: v >= 0, ">= 0",
+              "sparse_union: |tau| above it counts as changed"),
+)}
+
+
+def check_parameter(name: str, value: float, where: str) -> None:
+  """A ``ConfigError`` naming ``where`` unless ``value`` is valid for
+  ``PARAMETERS[name]``."""
+  p = PARAMETERS[name]
+  if not p.valid(value):
+    raise ConfigError(f"{where}: {name}={value!r} must be {p.must_be}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +95,11 @@ class Settings:
   ``rescale``: DARE's survivors divided by ``density``."""
   method: str
   weights: tuple[float, ...]
-  density: float = 1.0
-  gamma: float = 0.01
-  lam: float = 1.0
-  t: float = 0.5
-  tolerance: float = 0.0
+  density: float = PARAMETERS["density"].default
+  gamma: float = PARAMETERS["gamma"].default
+  lam: float = PARAMETERS["lambda"].default
+  t: float = PARAMETERS["t"].default
+  tolerance: float = PARAMETERS["tolerance"].default
   normalize: bool | None = None
   rescale: bool = True
 
@@ -318,9 +351,9 @@ def parse_overrides(spec: str) -> tuple[Override, ...]:
     for item in filter(None, (i.strip() for i in body.split(","))):
       key, sep, value = item.partition("=")
       key = key.strip()
-      if not sep or key not in OVERRIDABLE:
+      if not sep or key not in PARAMETERS:
         raise ConfigError(f"merge.overrides: {item!r} in rule {rule!r}: the"
-                          " key must be one of " + ", ".join(OVERRIDABLE))
+                          " key must be one of " + ", ".join(PARAMETERS))
       try:
         parsed = (tuple(float(v) for v in value.split(".."))
                   if ".." in value else float(value))
@@ -329,6 +362,8 @@ def parse_overrides(spec: str) -> tuple[Override, ...]:
                           " ramp a..b") from None
       if isinstance(parsed, tuple) and len(parsed) != 2:
         raise ConfigError(f"merge.overrides: {item!r}: a ramp is a..b")
+      for v in parsed if isinstance(parsed, tuple) else (parsed,):
+        check_parameter(key, v, f"merge.overrides: rule {rule!r}")
       values.append((key, parsed))
     rules.append(Override(pattern, tuple(values)))
   return tuple(rules)
@@ -354,15 +389,13 @@ def leaf_settings(name: str, layers: int | None, base: Settings,
 
 
 def check_settings(values: Mapping[str, Any], name: str) -> None:
-  """Density in (0, 1], gamma in [0, 1), t in [0, 1], tolerance >= 0 for
-  the tensor ``name``: a ConfigError naming the field otherwise."""
-  for key, ok, what in (("density", lambda v: 0 < v <= 1, "in (0, 1]"),
-                        ("gamma", lambda v: 0 <= v < 1, "in [0, 1)"),
-                        ("t", lambda v: 0 <= v <= 1, "in [0, 1]"),
-                        ("tolerance", lambda v: v >= 0, ">= 0")):
-    if not np.all(ok(np.asarray(values[key]))):
-      raise ConfigError(f"merge.{key}: must be {what}, got"
-                        f" {values[key]!r} for {name}")
+  """Every ``PARAMETERS`` value of the tensor ``name`` (a number, or one
+  per layer) valid: a ConfigError naming the field otherwise."""
+  for key, p in PARAMETERS.items():
+    value = values["lam" if key == "lambda" else key]
+    if not all(p.valid(float(v)) for v in np.ravel(value)):
+      raise ConfigError(f"merge.{key}: must be {p.must_be}, got"
+                        f" {value!r} for {name}")
 
 
 # ------------------------------------------------------- the tree walk

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mopd_jax import config as config_lib
 from mopd_jax.errors import ConfigError
 from mopd_jax.fusion import merge
 from mopd_jax.stages.merge import sweep_grid
@@ -149,15 +150,37 @@ def test_overrides_first_match_wins_and_ramps_over_layers():
     ("attn:density=x", "not a number"),
     ("density=1", "not pattern:key=value"),
     ("(:density=0.5", "bad pattern"),
+    ("attn:density=1.5", r"density=1.5 must be in \(0, 1\]"),
+    ("layers/:t=0..2", r"t=2.0 must be in \[0, 1\]"),
+    ("embed:lambda=nan", "lambda=nan must be a finite number"),
 ])
 def test_bad_overrides_are_one_config_error(spec, match):
   with pytest.raises(ConfigError, match=match):
     merge.parse_overrides(spec)
 
 
+def test_parameters_are_declared_once():
+  """The config's defaults and checks and the Settings' defaults are the
+  table's."""
+  section = config_lib.defaults("merge").merge
+  settings = merge.Settings("ties", (1.0,))
+  for name, p in merge.PARAMETERS.items():
+    assert section[name] == p.default
+    assert getattr(settings, "lam" if name == "lambda" else name) == p.default
+  bad = config_lib.defaults("merge")
+  bad.update(init="runs/base", experts="runs/a,runs/b")
+  bad.merge.gamma = 1.0
+  with pytest.raises(ConfigError, match=r"merge.gamma.*in \[0, 1\)"):
+    config_lib.validate(bad)
+  # a ramp's per-layer values are checked value by value
+  merge.check_settings(dict(density=np.array([0.2, 0.5]), gamma=0.0,
+                            lam=1.0, t=0.5, tolerance=0.0), "layers/q")
+
+
 def test_density_out_of_range_names_the_leaf():
   with pytest.raises(ConfigError, match=r"merge.density: .* for layers/q"):
-    merge.check_settings(dict(density=1.5, gamma=0.0, t=0.5, tolerance=0.0),
+    merge.check_settings(dict(density=1.5, gamma=0.0, lam=1.0, t=0.5,
+                              tolerance=0.0),
                          "layers/q")
 
 
