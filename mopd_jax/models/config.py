@@ -65,17 +65,21 @@ class ModelConfig:
     return self.vocab_size * d + self.num_layers * per_layer + d + head
 
 
-  def train_flops_per_token(self, length: int) -> float:
-    """Model FLOPs of one trained token, ``6 N + 12 L H d_h T``: matmuls
-    forward and backward plus attention scores and values over ``T =
-    length`` keys (the usual MFU accounting: a rematerialised forward pass
-    is not counted; the input embedding lookup does no matmul and is left
-    out of ``N``)."""
+  def forward_flops_per_token(self, length: int) -> float:
+    """Model FLOPs of one token's forward pass, ``2 N + 4 L H d_h T``:
+    the matmuls (``N`` parameters less the input embedding lookup, which
+    does no matmul; a tied table still does the output matmul) plus
+    attention scores and values over ``T = length`` keys."""
     n = self.num_params() - self.vocab_size * self.embed_dim
-    if self.tie_embeddings:  # the tied table still does the output matmul
+    if self.tie_embeddings:
       n += self.vocab_size * self.embed_dim
-    attention = 12 * self.num_layers * self.num_heads * self.head_dim * length
-    return 6 * n + attention
+    return 2 * n + 4 * self.num_layers * self.num_heads * self.head_dim * length
+
+  def train_flops_per_token(self, length: int) -> float:
+    """Model FLOPs of one trained token, ``6 N + 12 L H d_h T``: the
+    forward pass and a backward pass of twice its FLOPs (the usual MFU
+    accounting: a rematerialised forward pass is not counted)."""
+    return 3 * self.forward_flops_per_token(length)
 
 
 # Fields that change how a model is computed, not what: runs that differ in

@@ -33,10 +33,8 @@ from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
 from mopd_jax.data import files
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluate import eval_file_name, evaluate_run
-from mopd_jax.evaluation import headroom, report, seeded, study_report
+from mopd_jax.evaluation import costs, headroom, report, seeded, study_report
 from mopd_jax.fusion.teachers import parse_teachers
-from mopd_jax.metrics import read_metrics
-from mopd_jax.models.config import ModelConfig
 from mopd_jax.training import SUMMARY_FILE
 
 STEPS = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
@@ -376,45 +374,6 @@ def run(config, workdir: str):
   return None
 
 
-def _run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
-  """Tokens and estimated FLOPs of a run from its metrics and config:
-  sampled tokens (``rl.prompts_per_step x rl.group_size x`` the mean
-  response length, per step), teacher-scored tokens (MOPD: the sampled
-  ones), trained tokens (``x rl.epochs``; pretraining: the packed rows),
-  training wall time (steps / steps_per_sec); FLOPs ``2 P`` per sampled or
-  scored token and ``6 P`` per trained token, ``P`` parameters."""
-  model = config_json.get("model", {})
-  params = ModelConfig(**model).num_params() if model else 0
-  records = read_metrics(run_dir) if os.path.exists(
-      os.path.join(run_dir, "metrics.jsonl")) else []
-  sampled = trained = wall = 0.0
-  last = 0
-  for r in records:
-    if "steps_per_sec" not in r:
-      continue
-    steps = r["step"] - last
-    last = r["step"]
-    wall += steps / max(r["steps_per_sec"], 1e-9)
-    if "response_length" in r:
-      batch = (config_json["rl"]["prompts_per_step"]
-               * config_json["rl"]["group_size"])
-      sampled += steps * batch * r["response_length"]
-      trained += steps * batch * r["response_length"] * config_json["rl"][
-          "epochs"]
-    elif "train" in config_json and "batch_size" in config_json["train"]:
-      length = (config_json["data"]["max_prompt_len"]
-                + config_json["sampling"]["max_new_tokens"])
-      trained += steps * config_json["train"]["batch_size"] * length
-  scored = sampled if config_json.get("method") == "mopd" else 0.0
-  cost = dict(tokens_sampled=sampled, tokens_teacher_scored=scored,
-              tokens_trained=trained, wall_seconds=wall,
-              flops=2 * params * (sampled + scored) + 6 * params * trained)
-  if experts_cost:
-    cost["with_experts"] = {k: cost[k] + experts_cost[k] for k in cost
-                            if k in experts_cost}
-  return cost
-
-
 def write_results(study: Study) -> dict:
   """``results.json`` and ``report.md`` (+ figures) from every model's
   evaluation on the study's prompts."""
@@ -439,7 +398,7 @@ def write_results(study: Study) -> dict:
                  for m in report.MODES} for d in study.domains}
   oracle = {m: {d: experts[d][m][d] for d in study.domains}
             for m in report.MODES}
-  expert_costs = [_run_cost(study.experts[d], configs[f"expert/{d}"])
+  expert_costs = [costs.run_cost(study.experts[d], configs[f"expert/{d}"])
                   for d in study.domains]
   experts_total = {k: sum(cst[k] for cst in expert_costs)
                    for k in expert_costs[0]}
@@ -452,7 +411,7 @@ def write_results(study: Study) -> dict:
   for model, found in {**scalars, "oracle": oracle_scalars}.items():
     needs = model.startswith(("merge/", "mopd", "open_mopd"))
     run_dir = study.models().get(model)
-    cost = (_run_cost(run_dir, configs[model],
+    cost = (costs.run_cost(run_dir, configs[model],
                       experts_total if needs else None)
             if run_dir and model in configs else {})
     entries[model] = report.model_entry(

@@ -1,0 +1,61 @@
+"""What a run cost, from its metrics and config: tokens sampled, scored
+by teachers and trained, training wall time, and model FLOPs
+(``ModelConfig.forward_flops_per_token`` per sampled or teacher-scored
+token, ``train_flops_per_token`` per trained token; the same accounting
+as the benchmarks' MFU)."""
+
+from __future__ import annotations
+
+import os
+
+from mopd_jax.metrics import read_metrics
+from mopd_jax.models.config import ModelConfig
+
+
+def run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
+  """Sampled tokens (``rl.prompts_per_step x rl.group_size x`` the mean
+  response length, per step), teacher-scored tokens (MOPD: the sampled
+  ones), trained tokens (``x rl.epochs``; pretraining: the packed rows),
+  training wall time (steps / steps_per_sec) and ``flops``, each token
+  attending over ``data.max_prompt_len`` plus its row's mean response
+  (pretraining: the packed row); ``with_experts`` adds ``experts_cost``."""
+  model = config_json.get("model", {})
+  cfg = ModelConfig(**model) if model else None
+  records = read_metrics(run_dir) if os.path.exists(
+      os.path.join(run_dir, "metrics.jsonl")) else []
+  mopd = config_json.get("method") == "mopd"
+  sampled = trained = wall = flops = 0.0
+  last = 0
+  for r in records:
+    if "steps_per_sec" not in r:
+      continue
+    steps = r["step"] - last
+    last = r["step"]
+    wall += steps / max(r["steps_per_sec"], 1e-9)
+    if "response_length" in r:  # on-policy: sample, (score,) train
+      tokens = (steps * config_json["rl"]["prompts_per_step"]
+                * config_json["rl"]["group_size"] * r["response_length"])
+      length = config_json["data"]["max_prompt_len"] + r["response_length"]
+      passes, epochs = (2 if mopd else 1), config_json["rl"]["epochs"]
+    elif "batch_size" in config_json.get("train", {}):  # pretraining rows
+      length = (config_json["data"]["max_prompt_len"]
+                + config_json["sampling"]["max_new_tokens"])
+      trained += steps * config_json["train"]["batch_size"] * length
+      if cfg:
+        flops += (steps * config_json["train"]["batch_size"] * length
+                  * cfg.train_flops_per_token(length))
+      continue
+    else:
+      continue
+    sampled += tokens
+    trained += tokens * epochs
+    if cfg:
+      flops += tokens * (passes * cfg.forward_flops_per_token(length)
+                         + epochs * cfg.train_flops_per_token(length))
+  scored = sampled if mopd else 0.0
+  cost = dict(tokens_sampled=sampled, tokens_teacher_scored=scored,
+              tokens_trained=trained, wall_seconds=wall, flops=flops)
+  if experts_cost:
+    cost["with_experts"] = {k: cost[k] + experts_cost[k] for k in cost
+                            if k in experts_cost}
+  return cost

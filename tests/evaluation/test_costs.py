@@ -1,0 +1,55 @@
+import json
+
+import pytest
+
+from mopd_jax.evaluation import costs
+from mopd_jax.models.config import ModelConfig
+
+MODEL = dict(vocab_size=40, embed_dim=8, num_layers=2, num_heads=2,
+             num_kv_heads=1, head_dim=4, mlp_dim=16)
+
+
+def _run(tmp_path, records):
+  (tmp_path / "metrics.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in records))
+  return str(tmp_path)
+
+
+def test_flops_per_token_by_hand():
+  cfg = ModelConfig(**MODEL)
+  # tied table: every matmul but the input lookup, which the output
+  # matmul's shared table stands in for: N = all parameters
+  n = cfg.num_params()
+  assert cfg.forward_flops_per_token(10) == 2 * n + 4 * 2 * 2 * 4 * 10
+  assert cfg.train_flops_per_token(10) == 3 * cfg.forward_flops_per_token(10)
+
+
+def test_mopd_cost_counts_sampling_scoring_and_training(tmp_path):
+  config = dict(method="mopd", model=MODEL, data=dict(max_prompt_len=6),
+                rl=dict(prompts_per_step=2, group_size=3, epochs=2))
+  run = _run(tmp_path, [dict(step=4, steps_per_sec=2.0, response_length=4.0),
+                        dict(step=4, loss=0.1),
+                        dict(step=10, steps_per_sec=3.0,
+                             response_length=2.0)])
+  cost = costs.run_cost(run, config, {"flops": 1.0, "wall_seconds": 5.0})
+  cfg = ModelConfig(**MODEL)
+  first, second = 4 * 6 * 4.0, 6 * 6 * 2.0  # tokens of each stretch
+  assert cost["tokens_sampled"] == cost["tokens_teacher_scored"] == (
+      first + second)
+  assert cost["tokens_trained"] == 2 * (first + second)
+  assert cost["wall_seconds"] == pytest.approx(4 / 2 + 6 / 3)
+  want = sum(t * (2 * cfg.forward_flops_per_token(6 + r)
+                  + 2 * cfg.train_flops_per_token(6 + r))
+             for t, r in ((first, 4.0), (second, 2.0)))
+  assert cost["flops"] == pytest.approx(want)
+  assert cost["with_experts"]["flops"] == pytest.approx(want + 1.0)
+
+
+def test_pretraining_cost_counts_packed_rows(tmp_path):
+  config = dict(method="pretrain", model=MODEL, data=dict(max_prompt_len=6),
+                sampling=dict(max_new_tokens=10), train=dict(batch_size=4))
+  cost = costs.run_cost(_run(tmp_path, [dict(step=5, steps_per_sec=1.0)]),
+                        config)
+  assert cost["tokens_trained"] == 5 * 4 * 16 and cost["tokens_sampled"] == 0
+  assert cost["flops"] == pytest.approx(
+      5 * 4 * 16 * ModelConfig(**MODEL).train_flops_per_token(16))
