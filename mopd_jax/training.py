@@ -123,6 +123,16 @@ def guarded_update(optimizer: optax.GradientTransformation, loss, grads,
           1.0 - ok.astype(jnp.float32))
 
 
+def gradient_step(optimizer: optax.GradientTransformation, loss_fn, params,
+                  opt_state, *args):
+  """``(loss, aux), grads = value_and_grad(loss_fn)(params, *args)`` (the
+  loss first, its auxiliary output second), then ``guarded_update``;
+  returns ``(aux, params', opt_state', skipped)``."""
+  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params,
+                                                                 *args)
+  return (aux, *guarded_update(optimizer, loss, grads, params, opt_state))
+
+
 def accumulate(total: dict, pairs: Mapping[str, tuple]) -> dict:
   """Add ``{name: (sum, count)}`` pairs into ``total`` (in place)."""
   for k, (s, c) in pairs.items():

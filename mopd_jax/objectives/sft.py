@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -39,10 +38,8 @@ def make_train_step(cfg, optimizer: optax.GradientTransformation,
       total, count = sft_loss(params, cfg, batch, ops)
       return total / count, (total, count)
 
-    (loss, (total, count)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(state["params"])
-    params, opt_state, skipped = training.guarded_update(
-        optimizer, loss, grads, state["params"], state["opt_state"])
+    (total, count), params, opt_state, skipped = training.gradient_step(
+        optimizer, loss_fn, state["params"], state["opt_state"])
     new_state = dict(state, params=params, opt_state=opt_state,
                      step=state["step"] + 1)
     return new_state, {"loss": (total, count),

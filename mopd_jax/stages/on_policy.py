@@ -47,10 +47,8 @@ def make_update(loss_fn, optimizer):
 
   @functools.partial(jax.jit, donate_argnums=0)
   def update(train, mb, *shared):
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        train["params"], mb, *shared)
-    params, opt_state, skipped = training.guarded_update(
-        optimizer, loss, grads, train["params"], train["opt_state"])
+    metrics, params, opt_state, skipped = training.gradient_step(
+        optimizer, loss_fn, train["params"], train["opt_state"], mb, *shared)
     metrics[training.SKIPPED] = (skipped, jnp.float32(1))
     return dict(params=params, opt_state=opt_state), metrics
 
