@@ -149,8 +149,9 @@ def aggregate(seeds: Sequence[int], per_seed: Sequence[Mapping],
   cells = {m: _model_cells(per_seed, m, domains, held_out) for m in models}
   best = best_of_families(per_seed, domains)
   pairs = list(itertools.combinations(best.values(), 2))
-  if {"mopd", "open_mopd"} <= set(models):
-    pairs.append(("open_mopd", "mopd"))
+  for other in ("open_mopd", "mopd_from_merge"):  # each against MOPD
+    if {"mopd", other} <= set(models):
+      pairs.append((other, "mopd"))
   samples = first["eval"].get("samples") or 0
   ks = sorted({1, samples}) if samples else []  # accuracy and coverage
   diffs = differences(outcomes, coverage, pairs, domains, ks)
@@ -194,10 +195,11 @@ def _text(results, winners, tied) -> str:
         f"{d}: {winners[d]}" if winners[d] else
         f"{d}: tied ({' = '.join(tied[d])})" for d in results["domains"])
                  + ".")
-  key = "open_mopd - mopd"
-  if key in results["differences"]:
-    lines.append(f"Open-MOPD minus MOPD on the mean:"
-                 f" {_pct(results['differences'][key]['mean'])} points.")
+  for key, name in (("open_mopd - mopd", "Open-MOPD"),
+                    ("mopd_from_merge - mopd", "MOPD from the best merge")):
+    if key in results["differences"]:
+      lines.append(f"{name} minus MOPD on the mean:"
+                   f" {_pct(results['differences'][key]['mean'])} points.")
   return " ".join(lines)
 
 

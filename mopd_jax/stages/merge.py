@@ -8,7 +8,9 @@ writes the merged model as an ordinary finished run (a checkpoint of step
 0 and ``config.json``, so it can be any later run's init, teacher or
 expert), its evaluation on the test split (``eval.json``), the task-vector
 geometry (``geometry.json`` and figures), ``sweep.json`` and
-``summary.json``.
+``summary.json`` (with ``validation_greedy_mean``, the merge's mean greedy
+accuracy on the sweep's validation prompts: what a study picks its best
+merge by).
 """
 
 from __future__ import annotations
@@ -98,9 +100,12 @@ def run(config, workdir: str):
 
   grid = sweep_grid(settings, config.merge.sweep_lambdas,
                     config.merge.sweep_densities) if config.merge.sweep else []
+  score = None if data_free else _validation(config, model_cfg, tokenizer,
+                                             mesh)
+  validation = None
   if grid:
-    settings = _sweep(config, workdir, settings, grid, merged, model_cfg,
-                      tokenizer, mesh)
+    settings, validation = _sweep(config, workdir, settings, grid, merged,
+                                  score)
   params = merged(settings)
   ckpt = Checkpointer(workdir, every=1, keep=1)
   try:
@@ -110,6 +115,8 @@ def run(config, workdir: str):
     ckpt.close()
 
   if not data_free:
+    if validation is None:
+      validation = score(params)[1]
     test_sets = splits.eval_sets(config, config.eval.domains)
     scalars = evaluator.make_eval_fn(config, model_cfg, tokenizer, test_sets,
                                      mesh)({"params": params}, 0)
@@ -123,29 +130,40 @@ def run(config, workdir: str):
       f"  {d:9s}" + " ".join(f"{found['cosine'][d][e]:6.3f}" for e in names)
       for d in names))
   training.write_summary(workdir, 0, params,
-                         merge=dataclasses.asdict(settings))
+                         merge=dataclasses.asdict(settings),
+                         validation_greedy_mean=validation)
   return {"params": params}
 
 
-def _sweep(config, workdir, settings, grid, merged, model_cfg, tokenizer,
-           mesh) -> merge.Settings:
-  """Score each grid point by its mean greedy accuracy on the first
-  ``merge.sweep_prompts`` validation prompts of every merged domain; write
-  ``sweep.json``; return the best settings (the first of equals)."""
+def _validation(config, model_cfg, tokenizer, mesh):
+  """``score(params) -> ({domain: accuracy}, mean)``: greedy accuracy on
+  the first ``merge.sweep_prompts`` validation prompts of every merged
+  domain (what the sweep chooses by and a study chooses merges by)."""
   sets = splits.domain_splits(config, config.data.domains, splits.VALIDATION)
   evaluate = evaluator.make_eval_fn(config, model_cfg, tokenizer, sets, mesh,
-                                 greedy_only=True, prefix=splits.VALIDATION,
-                                 num_prompts=config.merge.sweep_prompts)
+                                    greedy_only=True, prefix=splits.VALIDATION,
+                                    num_prompts=config.merge.sweep_prompts)
+
+  def score(params):
+    accuracy = headroom.accuracies(evaluate({"params": params}, 0), "greedy",
+                                   splits.VALIDATION)
+    return accuracy, float(np.mean(list(accuracy.values())))
+  return score
+
+
+def _sweep(config, workdir, settings, grid, merged, score
+           ) -> tuple[merge.Settings, float]:
+  """Score each grid point by ``score`` (the mean greedy validation
+  accuracy); write ``sweep.json``; return the best settings (the first of
+  equals) and their score."""
   scored = []
   for point in grid:
     candidate = dataclasses.replace(settings, **point)
-    accuracy = headroom.accuracies(evaluate({"params": merged(candidate)}, 0),
-                                   "greedy", splits.VALIDATION)
-    scored.append(dict(point, accuracy=accuracy,
-                       mean=float(np.mean(list(accuracy.values())))))
-    print(f"sweep {point}: mean validation greedy {scored[-1]['mean']:.3f}")
+    accuracy, mean = score(merged(candidate))
+    scored.append(dict(point, accuracy=accuracy, mean=mean))
+    print(f"sweep {point}: mean validation greedy {mean:.3f}")
   best = max(range(len(scored)), key=lambda i: (scored[i]["mean"], -i))
   atomic.write_json_atomic(os.path.join(workdir, SWEEP_FILE), dict(
       method=settings.method, prompts=config.merge.sweep_prompts,
       split=splits.VALIDATION, grid=scored, best=grid[best]))
-  return dataclasses.replace(settings, **grid[best])
+  return dataclasses.replace(settings, **grid[best]), scored[best]["mean"]

@@ -38,7 +38,7 @@ from mopd_jax.fusion.teachers import parse_teachers
 from mopd_jax.training import SUMMARY_FILE
 
 STEPS = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
-         "evaluate", "report")
+         "mopd_from_merge", "evaluate", "report")
 RESULTS_FILE = "results.json"
 EVALUATIONS = "evaluations"
 
@@ -114,7 +114,26 @@ class Study:
                 for m in self.config.merge_methods})
     for name in ("mix_rl", "mopd", "open_mopd"):
       out[name] = os.path.join(self.workdir, name)
+    if "mopd_from_merge" in self.config.steps:
+      out["mopd_from_merge"] = os.path.join(self.workdir, "mopd_from_merge")
     return out
+
+  def best_merge(self) -> str:
+    """The run of the merge method with the highest mean greedy validation
+    accuracy (each merge's ``validation_greedy_mean``; the first of
+    equals)."""
+    scores = {}
+    for m in self.config.merge_methods:
+      run_dir = self.models()[f"merge/{m}"]
+      if runs.finished(run_dir):
+        with open(os.path.join(run_dir, SUMMARY_FILE), encoding="utf-8") as f:
+          score = json.load(f).get("validation_greedy_mean")
+        if score is not None:
+          scores[run_dir] = score
+    if not scores:
+      raise ConfigError("study: mopd_from_merge needs a finished merge with"
+                        " a validation score (steps merge)")
+    return max(scores, key=scores.get)
 
   def child_config(self, name: str, **fields):
     """``configs/<name>.py`` as this study runs it: its variant, the
@@ -293,6 +312,18 @@ def _tasks(study: Study):
         fields.update({f"open_mopd.{k}": v for k, v in
                        config_file("mopd", "open").open_mopd.items()})
       train(name, name, "mopd", study.models()[name], **fields)
+  if "mopd_from_merge" in c.steps:
+    path, fields = study.models()["mopd_from_merge"], dict(
+        teachers=study.template)
+    # The merge is chosen once the merges are done; any stands in for it
+    # in the early check of the config.
+    tasks.append((
+        "mopd", "MOPD from the best merge",
+        lambda: study.child("MOPD from the best merge", "mopd", path,
+                            init=study.best_merge(), **fields),
+        lambda: study.child_config(
+            "mopd", init=study.models()[f"merge/{c.merge_methods[0]}"],
+            **fields)))
   if "evaluate" in c.steps:
     for model, run_dir in study.models().items():
       tasks.append(("evaluate", f"evaluate {model}",
@@ -409,7 +440,7 @@ def write_results(study: Study) -> dict:
         oracle_scalars[key] = value
   entries = {}
   for model, found in {**scalars, "oracle": oracle_scalars}.items():
-    needs = model.startswith(("merge/", "mopd", "open_mopd"))
+    needs = model.startswith(("merge/", "mopd", "open_mopd"))  # experts
     run_dir = study.models().get(model)
     cost = (costs.run_cost(run_dir, configs[model],
                       experts_total if needs else None)
@@ -439,7 +470,8 @@ def write_results(study: Study) -> dict:
   results["recommendation"] = report.recommendation(results)
   write_json_atomic(os.path.join(study.workdir, RESULTS_FILE), results)
   curves = {name: study_report.accuracy_curves(study.models()[name])
-            for name in ("mix_rl", "mopd", "open_mopd")
+            for name in ("mix_rl", "mopd", "open_mopd", "mopd_from_merge")
+            if name in study.models()
             if os.path.exists(os.path.join(study.models()[name],
                                            "metrics.jsonl"))}
   study_report.write(study.workdir, results, curves)
@@ -534,6 +566,9 @@ def check(config) -> None:
     raise ConfigError(f"eval.coverage_prompts: {config.eval.coverage_prompts}"
                       f" must be <= eval.num_prompts"
                       f" ({config.eval.num_prompts})")
+  if "mopd_from_merge" in config.steps and not config.merge_methods:
+    raise ConfigError("steps: mopd_from_merge starts from the best of"
+                      " merge_methods, which is empty")
   bad = [s for s in config.steps if s not in STEPS]
   if bad:
     raise ConfigError(f"steps: unknown step {bad[0]!r}; known: "

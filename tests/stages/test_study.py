@@ -107,7 +107,8 @@ def test_a_seeded_study_on_the_smoke_studys_experts(study, data_dir,
   result = train_cli(f"--config={ROOT}/configs/study.py:smoke_seeds",
                      f"--workdir={workdir}", f"--config.base={smoke_run[0]}",
                      f"--config.experts={experts}",
-                     "--config.steps=('merge','mix_rl','evaluate','report')",
+                     "--config.steps=('merge','mix_rl','mopd_from_merge',"
+                     "'evaluate','report')",
                      "--config.seed_processes=2",
                      f"--config.data_dir={data_dir}", env=cached_env,
                      timeout=600)
@@ -123,6 +124,13 @@ def test_a_seeded_study_on_the_smoke_studys_experts(study, data_dir,
   cell = results["methods"]["mix_rl"]["accuracy"]["add"]
   assert cell["seeds"] == 2 and cell["low"] <= cell["mean"] <= cell["high"]
   assert results["paradigms"] == {"merge": "merge/ties", "mix_rl": "mix_rl"}
+  # MOPD from the best merge (the only one): started from its parameters
+  child = json.loads((workdir / "seed_1" / "mopd_from_merge" /
+                      "config.json").read_text())
+  assert child["init"] == str(workdir / "seed_1" / "merge_ties")
+  assert "mopd_from_merge" in results["methods"]
+  assert "with_experts" in results["per_seed"]["0"]["methods"][
+      "mopd_from_merge"]["cost"]
   diff = results["differences"]["merge/ties - mix_rl"]
   assert diff["mean"]["seeds"] == 2 and diff["mean"]["prompts"] == 8
   assert set(diff["pass@k"]) == {f"{k}/{d}" for k in (1, 2) for d in
@@ -182,7 +190,7 @@ def test_bad_step_and_missing_base_are_one_line(tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (
       "error: steps: unknown step 'distil'; known: base, experts, merge,"
-      " mix_rl, mopd, open_mopd, evaluate, report")
+      " mix_rl, mopd, open_mopd, mopd_from_merge, evaluate, report")
   result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
                      f"--workdir={tmp_path / 'w'}",
                      f"--config.base={tmp_path / 'none'}")
@@ -327,3 +335,35 @@ def test_seeds_one_at_a_time_each_a_one_seed_study(tmp_path):
   assert not (tmp_path / "w").exists()
   config = load_config("study", "seeds")
   assert config.seeds == (0, 1, 2) and config.seed_processes == 2
+
+
+def test_mopd_from_merge_starts_from_the_best_validated_merge(tmp_path):
+  """The merge with the highest validation score is the init (a merge
+  without one, or unfinished, is passed over); the recommendation sets
+  the result beside plain MOPD with its compute ratio."""
+  config = load_config("study", "smoke")
+  config.merge_methods = ("ties", "karcher", "linear")
+  config.steps = ("merge", "mopd_from_merge", "evaluate", "report")
+  study = study_stage.Study(config_lib.validate(config), str(tmp_path))
+  with pytest.raises(ConfigError, match="mopd_from_merge needs a finished"):
+    study.best_merge()
+  for method, score in (("ties", 0.4), ("karcher", 0.6), ("linear", None)):
+    run = tmp_path / f"merge_{method}"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(
+        {"validation_greedy_mean": score}))
+  assert study.best_merge() == str(tmp_path / "merge_karcher")
+  assert [t[1] for t in study_stage._tasks(study)][3] == (
+      "MOPD from the best merge")
+
+  def entry(acc, flops):
+    return dict(accuracy={"a": acc}, stderr={"a": 0.01},
+                cost={"flops": flops, "with_experts": {"flops": flops}})
+  text = report.recommendation(dict(domains=["a"], methods={
+      "mopd": entry(0.5, 10.0), "mopd_from_merge": entry(0.6, 12.0)}))[
+          "text"]
+  assert ("MOPD from the best merge: 60.0% mean against plain MOPD's 50.0%"
+          " at the same MOPD steps, at 1.20x its compute") in text
+  config.merge_methods = ()
+  with pytest.raises(ConfigError, match="merge_methods, which is empty"):
+    stages.run(config_lib.validate(config), str(tmp_path / "w"))
