@@ -1,7 +1,7 @@
 """Test-wide setup: 8 fake CPU devices (before jax is imported anywhere) so
 sharding tests exercise a real mesh layout, one small TFDS data dir, one
-persistent compilation cache for the session, and one thread per torch
-or BLAS call."""
+persistent compilation cache for the session, XLA's optimisations off
+outside the real-model tier, and one thread per torch or BLAS call."""
 
 import os
 import tempfile
@@ -17,6 +17,10 @@ _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
       prefix="mopd_jax_tests_xla_")
+# XLA's optimisation passes cost more than they save on the toy programs
+# of most tests (measured: tests/models/test_decoder.py 164 s against
+# 228 s); the real-model tier compiles as users do (test_real_model.py).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Two xdist workers share the two cores: torch's (OpenMP) and BLAS's
 # default of a thread per core made each transformers generate 15x
 # slower while the other worker ran (measured 23 s against 1.6 s).

@@ -29,6 +29,16 @@ PROMPTS = ("What is 12 + 30?", "Write one word in capital letters.",
            "Name a colour.", "Say hi to Ada, then stop.")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def optimised():
+  """This tier compiles with XLA's optimisations (the rest of the suite
+  runs without them: conftest.py)."""
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture(scope="module")
 def theirs(smollm2_hf):
   """transformers' model and tokenizer of the checkpoint."""
@@ -153,8 +163,9 @@ def _math_file(path, n=24):
   return str(path)
 
 
-# One CPU device (not the suite's 8): a batch of 4 sequences is allowed.
-ONE_DEVICE = dict(os.environ, XLA_FLAGS="")
+# One CPU device (not the suite's 8): a batch of 4 sequences is allowed;
+# compiled with XLA's optimisations, as users run it.
+ONE_DEVICE = dict(os.environ, XLA_FLAGS="", JAX_DISABLE_MOST_OPTIMIZATIONS="0")
 # A GRPO or MOPD step as small as the real model allows on two cores.
 TINY = ("--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
         "--config.rl.minibatches=1", "--config.sampling.max_new_tokens=8",
