@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from mopd_jax import parallel
 from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
 from mopd_jax.data.files import is_file_domain
 from mopd_jax.errors import ConfigError
-from mopd_jax.fusion import merge
+from mopd_jax.fusion import merge, teachers
 from mopd_jax.objectives import grpo, opd
 from mopd_jax.ops import vocab
 from mopd_jax.models.config import (ATTENTION_IMPLS, EXECUTION_FIELDS,
@@ -474,7 +475,10 @@ def _mopd(c: ml_collections.ConfigDict) -> None:
   c.teachers = ""
   c.rl.update(group_size=4, prompts_per_step=64, minibatches=4)
   c.opd = ml_collections.ConfigDict(dict(
+      # oracle: each sample to its domain's expert; delta: every token to
+      # the delta teacher z_base + delta_scale * sum_i (z_expert_i - z_base)
       router="oracle",
+      delta_scale=1.0,
       # kl (exact, per position) | pg (sampled-token signal) | topk (dense);
       # kl recovered about twice pg's headroom on the built-in domains
       loss="kl",
@@ -509,7 +513,9 @@ def _mopd(c: ml_collections.ConfigDict) -> None:
 _MOPD_CHECKS: Checks = (
     ("teachers", lambda v: bool(v), "the expert runs: a template with"
      " {domain} or domain=dir pairs"),
-    ("opd.router", lambda v: v == "oracle", "oracle"),
+    ("opd.router", lambda v: v in teachers.ROUTERS,
+     " or ".join(teachers.ROUTERS)),
+    ("opd.delta_scale", math.isfinite, "a finite number"),
     ("opd.loss", lambda v: v in opd.LOSSES, " or ".join(opd.LOSSES)),
     ("opd.kl_alpha", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("opd.top_k", _positive, "> 0"),
@@ -711,6 +717,9 @@ def _validate_mopd(full) -> None:
                       f" {len(full.data.domains)} domains")
   if full.open_mopd.gap_min > full.open_mopd.gap_max:
     raise ConfigError("open_mopd.gap_min: must be <= open_mopd.gap_max")
+  if full.opd.router == "delta" and full.opd.proxy_teacher:
+    raise ConfigError("opd.proxy_teacher: the delta teacher already"
+                      " shifts every expert by the base; use one of them")
   if full.opd.loss != "pg" and full.opd.extrapolation != 1.0:
     raise ConfigError("opd.extrapolation: needs opd.loss='pg' (a sampled-token"
                       " signal)")

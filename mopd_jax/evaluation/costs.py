@@ -12,10 +12,19 @@ from mopd_jax.metrics import read_metrics
 from mopd_jax.models.config import ModelConfig
 
 
+def teacher_models(config_json: dict) -> int:
+  """The models a MOPD teacher's score runs per token: the expert (1), the
+  proxy teacher's three, or the delta teacher's base and every expert."""
+  opd = config_json.get("opd", {})
+  if opd.get("router") == "delta":
+    return 1 + len(config_json["data"]["domains"])
+  return 3 if opd.get("proxy_teacher") else 1
+
+
 def run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
   """Sampled tokens (``rl.prompts_per_step x rl.group_size x`` the mean
   response length, per step), teacher-scored tokens (MOPD: the sampled
-  ones), trained tokens (``x rl.epochs``; pretraining: the packed rows),
+  ones, each through ``teacher_models`` forward passes), trained tokens (``x rl.epochs``; pretraining: the packed rows),
   training wall time (steps / steps_per_sec) and ``flops``, each token
   attending over ``data.max_prompt_len`` plus its row's mean response
   (pretraining: the packed row); ``with_experts`` adds ``experts_cost``."""
@@ -36,7 +45,8 @@ def run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
       tokens = (steps * config_json["rl"]["prompts_per_step"]
                 * config_json["rl"]["group_size"] * r["response_length"])
       length = config_json["data"]["max_prompt_len"] + r["response_length"]
-      passes, epochs = (2 if mopd else 1), config_json["rl"]["epochs"]
+      passes = 1 + (teacher_models(config_json) if mopd else 0)
+      epochs = config_json["rl"]["epochs"]
     elif "batch_size" in config_json.get("train", {}):  # pretraining rows
       length = (config_json["data"]["max_prompt_len"]
                 + config_json["sampling"]["max_new_tokens"])

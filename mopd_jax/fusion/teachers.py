@@ -1,7 +1,7 @@
 """Teachers of on-policy distillation: one expert run per domain, checked
 against the student's token ids at start-up; routing (``OracleRouter``:
-every sample to the teacher of its domain; the ``Router`` protocol admits
-others); and scoring (``score``: each teacher runs one forward pass over
+every sample to the teacher of its domain; ``DeltaRouter``: every sample
+to the delta teacher over all experts, ``delta_models``); and scoring (``score``: each teacher runs one forward pass over
 only the samples routed to it, one teacher at a time, its per-token
 log-probs, entropies and hidden states scattered back into batch order).
 """
@@ -65,7 +65,8 @@ class Teacher:
   domain: str
   run_dir: str
   model: Model
-  init: Model | None  # the expert's own starting point (proxy teacher)
+  init: Model | None  # the expert's own starting point (proxy, delta)
+  init_dir: str = ""  # its run directory
 
 
 def load_model(run_dir: str, tokenizer, mesh, execution: ModelConfig
@@ -88,8 +89,8 @@ def load_model(run_dir: str, tokenizer, mesh, execution: ModelConfig
 def load_teachers(dirs: dict[str, str], tokenizer, mesh, with_init: bool,
                   execution: ModelConfig) -> list[Teacher]:
   """One teacher per domain, computed as ``execution`` says; ``with_init``
-  also loads each expert's own ``init`` run (needed by the proxy
-  teacher)."""
+  also loads each expert's own ``init`` run (needed by the proxy and the
+  delta teachers)."""
   teachers = []
   for domain, run_dir in dirs.items():
     model, run_config = load_model(run_dir, tokenizer, mesh, execution)
@@ -98,9 +99,11 @@ def load_teachers(dirs: dict[str, str], tokenizer, mesh, with_init: bool,
       init_dir = run_config.get("init", "")
       if not init_dir or not os.path.isdir(os.path.expanduser(init_dir)):
         raise CheckpointError(f"teachers: {run_dir} names no readable init"
-                              f" run ({init_dir!r}) for the proxy teacher")
+                              f" run ({init_dir!r}) for the proxy or"
+                              " delta teacher")
       init = load_model(init_dir, tokenizer, mesh, execution)[0]
-    teachers.append(Teacher(domain, run_dir, model, init))
+    teachers.append(Teacher(domain, run_dir, model, init,
+                            run_config.get("init", "")))
   return teachers
 
 
@@ -136,7 +139,34 @@ class OracleRouter:
     return self._table[np.asarray(domain_ids)]
 
 
-ROUTERS = {"oracle": OracleRouter}
+class DeltaRouter:
+  """Every sample is scored by the one delta teacher (``delta_models``)."""
+
+  def __init__(self, domains, teachers: list[Teacher]):
+    del domains, teachers
+
+  def route(self, domain_ids: np.ndarray) -> np.ndarray:
+    return np.zeros(np.shape(domain_ids), np.int32)
+
+
+ROUTERS = {"oracle": OracleRouter, "delta": DeltaRouter}
+
+
+def delta_models(teachers: list[Teacher], scale: float
+                 ) -> tuple[tuple[Model, ...], tuple[float, ...]]:
+  """The delta teacher over all experts, ``z = z_base + lambda sum_i
+  (z_T_i - z_base) = (1 - n lambda) z_base + lambda sum_i z_T_i`` (every
+  expert trained from the one base, its own ``init``): the models and
+  their signs for ``make_scorer``."""
+  inits = {os.path.realpath(os.path.expanduser(t.init_dir))
+           for t in teachers}
+  if len(inits) != 1:
+    raise ConfigError("opd.router: the delta teacher needs experts trained"
+                      " from one base; theirs start from "
+                      + ", ".join(sorted(map(str, inits))))
+  n = len(teachers)
+  return ((teachers[0].init, *(t.model for t in teachers)),
+          (1.0 - n * scale, *(scale,) * n))
 
 
 def combined_unembedding(cfgs, params_list) -> jax.Array:

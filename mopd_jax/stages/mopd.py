@@ -144,7 +144,8 @@ def write_headroom(workdir: str, scalars: dict, base_dir: str,
 
 class MOPD:
   """The ``on_policy.Method`` of multi-teacher distillation: each sample
-  scored by its domain's teacher; Open-MOPD's loss weights and gap state."""
+  scored by its domain's teacher (or every sample by the delta teacher);
+  Open-MOPD's loss weights and gap state."""
 
   def __init__(self, config, tokenizer, model_cfg, mesh):
     self.config = config
@@ -155,9 +156,10 @@ class MOPD:
     self.names = on_policy.domains(config)
     self.base = mixture.base_weights(self.names, config.data.weights)
     self.teacher_mesh = teachers.teacher_mesh(mesh, opd_cfg.teacher_devices)
+    delta = opd_cfg.router == "delta"
     self.teachers = teachers.load_teachers(
         teachers.parse_teachers(config.teachers, self.names), tokenizer,
-        self.teacher_mesh, with_init=opd_cfg.proxy_teacher,
+        self.teacher_mesh, with_init=opd_cfg.proxy_teacher or delta,
         execution=model_cfg)
     self.router = teachers.ROUTERS[opd_cfg.router](self.names, self.teachers)
     student_init = (teachers.Model(model_cfg, runs.load_params(
@@ -166,8 +168,10 @@ class MOPD:
     wide = full_vocabulary(opd_cfg)
     ops = config_lib.op_options(config)
     self.scorers, self.teacher_params, teacher_cfgs = [], [], []
-    for t in self.teachers:
-      models, signs = teachers.teacher_models(t, student_init)
+    composed = ([teachers.delta_models(self.teachers, opd_cfg.delta_scale)]
+                if delta else [teachers.teacher_models(t, student_init)
+                               for t in self.teachers])
+    for models, signs in composed:
       teacher_cfgs.append(tuple(m.cfg for m in models))
       self.teacher_params.append(tuple(m.params for m in models))
       self.scorers.append(teachers.make_scorer(
@@ -176,7 +180,7 @@ class MOPD:
     # The loss reads the teachers' unembeddings on the student's mesh.
     teacher_w = jax.device_put(
         stacked_unembeddings(self.teacher_params, teacher_cfgs) if wide
-        else jnp.zeros((len(self.teachers), 1, 1)),
+        else jnp.zeros((len(composed), 1, 1)),
         parallel.replicated(mesh))
     self.hidden_width = int(teacher_w.shape[1]) if wide else 0
     self.shared = (teacher_w,)

@@ -53,3 +53,19 @@ def test_pretraining_cost_counts_packed_rows(tmp_path):
   assert cost["tokens_trained"] == 5 * 4 * 16 and cost["tokens_sampled"] == 0
   assert cost["flops"] == pytest.approx(
       5 * 4 * 16 * ModelConfig(**MODEL).train_flops_per_token(16))
+
+
+def test_the_delta_and_proxy_teachers_run_more_models_per_token(tmp_path):
+  base = dict(method="mopd", model=MODEL, data=dict(max_prompt_len=6,
+                                                    domains=["a", "b", "c"]),
+              rl=dict(prompts_per_step=1, group_size=1, epochs=1))
+  run = _run(tmp_path, [dict(step=1, steps_per_sec=1.0,
+                             response_length=4.0)])
+  cfg = ModelConfig(**MODEL)
+  fwd, train = cfg.forward_flops_per_token(10), cfg.train_flops_per_token(10)
+  for opd, models in ((dict(router="oracle"), 1),
+                      (dict(router="oracle", proxy_teacher=True), 3),
+                      (dict(router="delta"), 4)):
+    assert costs.teacher_models(dict(base, opd=opd)) == models
+    cost = costs.run_cost(run, dict(base, opd=opd))
+    assert cost["flops"] == pytest.approx(4 * ((1 + models) * fwd + train))

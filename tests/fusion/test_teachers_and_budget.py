@@ -203,3 +203,44 @@ def test_teachers_compute_as_the_students_run_says(smoke_run):
   # Frozen weights held in the precision they compute in.
   assert {x.dtype.name for x in jax.tree.leaves(teacher.model.params)} == {
       "bfloat16"}
+
+
+def test_delta_teacher_scores_the_base_shifted_by_every_expert():
+  """``delta_models`` + ``make_scorer`` score ``log softmax(z_b + lambda
+  sum_i (z_i - z_b))`` (checked against each model's full logits); the
+  router sends every sample to it; experts of two bases are refused."""
+  import jax
+  from mopd_jax.models import decoder
+  from mopd_jax.rollout import sampler
+  tok = CharTokenizer()
+  cfg = ModelConfig(vocab_size=tok.vocab_size, embed_dim=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
+  base, *experts = (decoder.init_params(cfg, jax.random.key(i))
+                    for i in range(4))
+  as_teachers = [teachers.Teacher(d, f"runs/{d}", teachers.Model(cfg, p),
+                                  teachers.Model(cfg, base), "runs/base")
+                 for d, p in zip("abc", experts)]
+  models, signs = teachers.delta_models(as_teachers, 0.5)
+  assert signs == (1.0 - 3 * 0.5, 0.5, 0.5, 0.5)
+  rng = np.random.default_rng(1)
+  args = (rng.integers(3, 50, (8, 5)).astype(np.int32),
+          np.ones((8, 5), np.int32),
+          rng.integers(3, 50, (8, 6)).astype(np.int32),
+          np.ones((8, 6), np.int32))
+  scorer = teachers.make_scorer(tuple(m.cfg for m in models), signs, False,
+                                False)
+  got = scorer(tuple(m.params for m in models), *args)["teacher_logp"]
+  sampling = sampler.SamplingConfig()
+  z = [np.asarray(sampler.completion_logits(p, cfg, *args, sampling),
+                  np.float64) for p in (base, *experts)]
+  target = z[0] + 0.5 * sum(zi - z[0] for zi in z[1:])
+  target = target - np.log(np.exp(target - target.max(-1, keepdims=True)
+                                  ).sum(-1, keepdims=True)) - target.max(
+                                      -1, keepdims=True)
+  want = np.take_along_axis(target, args[2][..., None], -1)[..., 0]
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  router = teachers.ROUTERS["delta"](list("abc"), as_teachers)
+  assert router.route(np.array([0, 2, 1])).tolist() == [0, 0, 0]
+  other = dataclasses.replace(as_teachers[1], init_dir="runs/other_base")
+  with pytest.raises(ConfigError, match="experts trained from one base"):
+    teachers.delta_models([as_teachers[0], other], 0.5)

@@ -379,3 +379,36 @@ def test_domain_loss_weights_hand_computed(token_share, power, steers, want):
                                        3)
   np.testing.assert_allclose(got, want, rtol=1e-6)
   np.testing.assert_allclose(np.sum(got * tokens) / tokens.sum(), 1.0)
+
+
+def test_cli_distils_from_the_delta_teacher(smoke_run, tmp_path, data_dir,
+                                            cached_env):
+  """``opd.router=delta``: every sample scored by ``z_base + lambda
+  sum_i (z_i - z_base)`` over the four experts (here copies of the base
+  that name it as their init: the target is the student itself, so the
+  signal starts at 0); the cost counts the five models it runs."""
+  base = smoke_run[0]
+  expert = tmp_path / "expert"
+  shutil.copytree(base, expert)
+  config = json.loads((expert / "config.json").read_text())
+  (expert / "config.json").write_text(json.dumps(dict(config,
+                                                      init=str(base))))
+  run = tmp_path / "mopd"
+  teachers = ",".join(f"{d}={expert}" for d in ("add", "chain", "instruct",
+                                                  "sort"))
+  result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
+                     f"--workdir={run}", f"--config.init={base}",
+                     f"--config.teachers={teachers}",
+                     "--config.opd.router=delta",
+                     "--config.opd.delta_scale=0.5",
+                     f"--config.data.data_dir={data_dir}", env=cached_env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+  assert abs(first["signal"]) < 1e-4 and "share/tokens/sort" in first
+  result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
+                     f"--workdir={tmp_path / 'bad'}", f"--config.init={base}",
+                     f"--config.teachers={teachers}",
+                     "--config.opd.router=delta",
+                     "--config.opd.proxy_teacher=True",
+                     f"--config.data.data_dir={data_dir}")
+  assert result.returncode == 2 and "opd.proxy_teacher" in result.stderr
