@@ -341,6 +341,9 @@ def _merge() -> ml_collections.ConfigDict:
       **{p.name: p.default for p in merge.PARAMETERS.values()},
       "normalize": "auto",  # auto (the method's mergekit default) | on | off
       "rescale": True,  # DARE: survivors divided by density
+      # task-vector geometry (geometry.json): a top-r eigendecomposition
+      # per layer matrix and expert, the slow part of a large model's merge
+      "geometry": True,
       # per-leaf settings by name pattern, first match wins:
       # "pattern:key=value[,key=value];..." (a value a..b ramps over layers)
       "overrides": "",

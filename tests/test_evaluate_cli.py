@@ -35,6 +35,15 @@ def test_evaluate_reproduces_the_runs_final_evaluation(smoke_run, tmp_path,
   ours = json.load(open(run / "eval_8.json"))
   theirs = json.load(open(run / "eval.json"))
   coverage = {k: ours.pop(k) for k in list(ours) if "/pass@" in k}
+  # each prompt's outcome and correct-sample count, for a study's intervals
+  outcomes, counts = ours.pop("outcomes"), ours.pop("coverage")
+  assert set(outcomes) == {f"{m}/{d}" for m in ("greedy", "sampled")
+                           for d in ("add", "chain", "instruct", "sort",
+                                     "reverse")}
+  assert all(len(v) == 8 and set(v) <= {0, 1} for v in outcomes.values())
+  assert sum(outcomes["greedy/add"]) / 8 == ours[
+      "eval/greedy/add/accuracy"]
+  assert counts["samples"] == 4 and len(counts["counts"]["sort"]) == 8
   assert ours.keys() == theirs.keys() and len(ours) == 1 + 5 * 2 * 3
   for key, value in theirs.items():
     assert abs(ours[key] - value) < 1e-9, key

@@ -228,12 +228,14 @@ def test_a_data_free_merge_of_the_model_and_a_perturbed_copy(
   result = train_cli("--config=configs/merge.py", f"--workdir={merged}",
                      f"--config.init={smollm2_run}",
                      f"--config.experts={expert},{smollm2_run}",
-                     "--config.merge.lambda=0.5", timeout=900,
+                     "--config.merge.lambda=0.5",
+                     "--config.merge.geometry=False", timeout=900,
                      env=ONE_DEVICE)
   assert result.returncode == 0, result.stderr[-2000:]
   cfg, params = runs.final_model(merged)
   assert cfg.num_layers == 30 and runs.finished(merged)
   assert not (merged / runs.EVAL_FILE).exists()  # no data, no evaluation
+  assert not (merged / "geometry.json").exists()  # not asked for
   # task arithmetic at lambda 0.5 of (perturbation, 0): half the noise
   base = load_file(os.path.join(smollm2_hf, "model.safetensors"))
   want = base["model.norm.weight"] + 0.5 * (

@@ -7,8 +7,8 @@ a time; merges with ``merge.method`` (``fusion/merge.py``), after choosing
 writes the merged model as an ordinary finished run (a checkpoint of step
 0 and ``config.json``, so it can be any later run's init, teacher or
 expert), its evaluation on the test split (``eval.json``), the task-vector
-geometry (``geometry.json`` and figures), ``sweep.json`` and
-``summary.json`` (with ``validation_greedy_mean``, the merge's mean greedy
+geometry (``geometry.json`` and figures; ``merge.geometry``), ``sweep.json``
+and ``summary.json`` (with ``validation_greedy_mean``, the merge's mean greedy
 accuracy on the sweep's validation prompts: what a study picks its best
 merge by).
 """
@@ -121,14 +121,15 @@ def run(config, workdir: str):
     scalars = evaluator.make_eval_fn(config, model_cfg, tokenizer, test_sets,
                                      mesh)({"params": params}, 0)
     runs.write_eval(workdir, 0)(scalars)
-  base_leaves = dict(named_leaves(base))
-  found = geometry.task_vector_geometry(
-      list(base_leaves), base_leaves.__getitem__, expert_leaves, names,
-      model_cfg.embed_dim, _is_stacked, tolerance=config.merge.tolerance)
-  geometry.write(workdir, found)
-  print("task-vector cosine:\n" + "\n".join(
-      f"  {d:9s}" + " ".join(f"{found['cosine'][d][e]:6.3f}" for e in names)
-      for d in names))
+  if config.merge.geometry:
+    base_leaves = dict(named_leaves(base))
+    found = geometry.task_vector_geometry(
+        list(base_leaves), base_leaves.__getitem__, expert_leaves, names,
+        model_cfg.embed_dim, _is_stacked, tolerance=config.merge.tolerance)
+    geometry.write(workdir, found)
+    print("task-vector cosine:\n" + "\n".join(
+        f"  {d:9s}" + " ".join(f"{found['cosine'][d][e]:6.3f}"
+                               for e in names) for d in names))
   training.write_summary(workdir, 0, params,
                          merge=dataclasses.asdict(settings),
                          validation_greedy_mean=validation)
