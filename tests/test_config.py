@@ -207,7 +207,7 @@ MERGE_FLAGS = {"method": ("ties", "ties"), "lambda": ("0.8", 0.8),
                "density": ("0.5", 0.5), "gamma": ("0.02", 0.02),
                "t": ("0.3", 0.3), "weights": ("(1.0,2.0)", (1.0, 2.0)),
                "normalize": ("off", "off"), "tolerance": ("0.1", 0.1),
-               "rescale": ("False", False)}
+               "rescale": ("False", False), "geometry": ("False", False)}
 
 
 def test_every_merge_parameter_is_settable_from_the_command_line():

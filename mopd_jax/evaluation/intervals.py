@@ -29,17 +29,22 @@ LEVEL = 0.95
 RESAMPLES = 2000
 
 
-def seed_interval(values: Sequence[float], level: float = LEVEL) -> dict:
+def seed_interval(values: Sequence[float], level: float = LEVEL,
+                  bounds: tuple[float, float] | None = None) -> dict:
   """``{mean, low, high, seeds}`` of seed-level values with the Student-t
-  interval (``low = high = None`` for one seed)."""
+  interval (``low = high = None`` for one seed), clipped to ``bounds``
+  when the quantity has them (an accuracy's interval past 100% says
+  nothing more than 100%)."""
   x = np.asarray(values, dtype=np.float64)
   mean = float(x.mean())
   if x.size < 2:
     return dict(mean=mean, low=None, high=None, seeds=int(x.size))
   half = float(stats.t.ppf(0.5 + level / 2, x.size - 1)
                * x.std(ddof=1) / np.sqrt(x.size))
-  return dict(mean=mean, low=mean - half, high=mean + half,
-              seeds=int(x.size))
+  low, high = mean - half, mean + half
+  if bounds is not None:
+    low, high = max(low, bounds[0]), min(high, bounds[1])
+  return dict(mean=mean, low=low, high=high, seeds=int(x.size))
 
 
 def bootstrap_means(scores: np.ndarray, resamples: int = RESAMPLES,

@@ -24,6 +24,7 @@ import numpy as np
 from mopd_jax.evaluation import intervals, pass_at_k
 from mopd_jax.evaluation.report import mean_over
 
+UNIT = (0.0, 1.0)  # the range of an accuracy or a pass@k
 FAMILIES = {"merge": lambda m: m.startswith("merge/"),
             "mix_rl": lambda m: m == "mix_rl",
             "mopd": lambda m: m in ("mopd", "open_mopd")}
@@ -42,10 +43,10 @@ def _model_cells(per_seed, model, domains, held_out) -> dict:
   entries = [r["methods"][model] for r in per_seed]
   out = dict(
       accuracy={d: intervals.seed_interval([e["accuracy"][d]
-                                            for e in entries])
+                                            for e in entries], bounds=UNIT)
                 for d in entries[0]["accuracy"]},
       mean=intervals.seed_interval([mean_over(e["accuracy"], domains)
-                                    for e in entries]),
+                                    for e in entries], bounds=UNIT),
       headroom_recovery={d: _cells(entries,
                                    lambda e, d=d: e["headroom_recovery"][d])
                          for d in [*domains, "mean"]},
@@ -53,7 +54,7 @@ def _model_cells(per_seed, model, domains, held_out) -> dict:
                                              for e in entries])
                  for d in held_out if d in entries[0]["retention"]},
       pass_at_k={d: {int(k): intervals.seed_interval(
-          [e["pass_at_k"][d][k] for e in entries]) for k in by_k}
+          [e["pass_at_k"][d][k] for e in entries], bounds=UNIT) for k in by_k}
                  for d, by_k in entries[0]["pass_at_k"].items()},
       flops=float(np.mean([e["cost"].get("with_experts", e["cost"]).get(
           "flops", 0.0) for e in entries])) if entries[0]["cost"] else None)

@@ -19,6 +19,13 @@ def test_seed_interval_is_the_student_t_interval():
   assert out["seeds"] == 5
 
 
+def test_an_accuracy_interval_stays_in_its_range():
+  out = intervals.seed_interval([0.9, 1.0], bounds=(0.0, 1.0))
+  assert out["high"] == 1.0 and out["low"] == pytest.approx(
+      0.95 - 12.706204736174707 * np.std([0.9, 1.0], ddof=1) / np.sqrt(2))
+  assert intervals.seed_interval([0.9, 1.0])["high"] > 1.0
+
+
 def test_one_seed_has_no_interval():
   out = intervals.seed_interval([0.42])
   assert out == dict(mean=0.42, low=None, high=None, seeds=1)
