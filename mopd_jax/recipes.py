@@ -81,10 +81,10 @@ def _study(config, variant: str) -> None:
     for name in config.overrides:  # the smoke configs' own sizes
       config.overrides[name] = ()
     config.eval.update(num_prompts=8, samples=2, coverage_prompts=4)
-  if variant.endswith("seeds"):
-    config.seeds = (0, 1) if variant.startswith("smoke") else (0, 1, 2)
-    if not variant.startswith("smoke"):
-      config.seed_processes = 2  # the built-in study's 2-core CPU
+  if variant == "seeds":
+    config.update(seeds=(0, 1, 2), seed_processes=2)  # a 2-core CPU
+  elif variant == "smoke_seeds":
+    config.seeds = (0, 1)
   elif variant == "hf":
     config.variant = "hf"
     config.mesh.update(data=1, fsdp=-1)

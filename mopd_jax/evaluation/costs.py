@@ -24,8 +24,8 @@ def teacher_models(config_json: dict) -> int:
 def run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
   """Sampled tokens (``rl.prompts_per_step x rl.group_size x`` the mean
   response length, per step), teacher-scored tokens (MOPD: the sampled
-  ones, each through ``teacher_models`` forward passes), trained tokens (``x rl.epochs``; pretraining: the packed rows),
-  training wall time (steps / steps_per_sec) and ``flops``, each token
+  ones, each through ``teacher_models`` forward passes), trained tokens
+  (``x rl.epochs``; pretraining: the packed rows), training wall time (steps / steps_per_sec) and ``flops``, each token
   attending over ``data.max_prompt_len`` plus its row's mean response
   (pretraining: the packed row); ``with_experts`` adds ``experts_cost``."""
   model = config_json.get("model", {})

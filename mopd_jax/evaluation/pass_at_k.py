@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from mopd_jax.data.domains import get_domain
 from mopd_jax.evaluation import accuracy
 
 
@@ -51,12 +50,12 @@ def correct_counts(params, model_cfg, tokenizer,
   out = {}
   for i, (name, exs) in enumerate(sorted(examples.items())):
     prompts = [e.prompt for e in exs for _ in range(num_samples)]
-    texts, _ = accuracy.generate(params, model_cfg, tokenizer, prompts,
-                                 sampling, jax.random.fold_in(key, i),
-                                 batch_size, width)
-    verify = get_domain(name).verify
-    answers = [e.answer for e in exs for _ in range(num_samples)]
-    correct = np.array([verify(t, a) >= 1.0 for t, a in zip(texts, answers)])
+    texts, lengths = accuracy.generate(params, model_cfg, tokenizer, prompts,
+                                       sampling, jax.random.fold_in(key, i),
+                                       batch_size, width)
+    correct = accuracy.grade(name, texts, [e for e in exs
+                                           for _ in range(num_samples)],
+                             lengths)["correct"]
     out[name] = correct.reshape(len(exs), num_samples).sum(axis=1)
   return out
 

@@ -24,6 +24,11 @@ import numpy as np
 from mopd_jax.evaluation import headroom
 
 MODES = ("greedy", "sampled")
+# paradigm -> whether a model of the study belongs to it (what the
+# recommendation compares: the best model of each)
+FAMILIES = {"merge": lambda m: m.startswith("merge/"),
+            "mix_rl": lambda m: m == "mix_rl",
+            "mopd": lambda m: m in ("mopd", "open_mopd")}
 
 
 def standard_error(p: float, n: int) -> float:
@@ -102,9 +107,8 @@ def recommendation(results: Mapping) -> dict:
   there are no experts, MOPD when each domain's gain matters most)."""
   domains = results["domains"]
   methods = results["methods"]
-  families = {"merge": [m for m in methods if m.startswith("merge/")],
-              "mix_rl": [m for m in ("mix_rl",) if m in methods],
-              "mopd": [m for m in ("mopd", "open_mopd") if m in methods]}
+  families = {f: [m for m in methods if member(m)]
+              for f, member in FAMILIES.items()}
   best = {}
   for family, names in families.items():
     if names:

@@ -22,12 +22,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from mopd_jax.evaluation import intervals, pass_at_k
-from mopd_jax.evaluation.report import mean_over
+from mopd_jax.evaluation.report import FAMILIES, mean_over
 
 UNIT = (0.0, 1.0)  # the range of an accuracy or a pass@k
-FAMILIES = {"merge": lambda m: m.startswith("merge/"),
-            "mix_rl": lambda m: m == "mix_rl",
-            "mopd": lambda m: m in ("mopd", "open_mopd")}
 
 
 def _cells(per_seed: Sequence[Mapping], get) -> dict | None:

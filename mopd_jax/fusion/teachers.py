@@ -1,9 +1,10 @@
 """Teachers of on-policy distillation: one expert run per domain, checked
 against the student's token ids at start-up; routing (``OracleRouter``:
 every sample to the teacher of its domain; ``DeltaRouter``: every sample
-to the delta teacher over all experts, ``delta_models``); and scoring (``score``: each teacher runs one forward pass over
-only the samples routed to it, one teacher at a time, its per-token
-log-probs, entropies and hidden states scattered back into batch order).
+to the delta teacher over all experts, ``delta_models``); and scoring
+(``score``: each teacher runs one forward pass over only the samples
+routed to it, one teacher at a time, its per-token log-probs, entropies
+and hidden states scattered back into batch order).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import time
 import ml_collections
 
 from mopd_jax import config as config_lib
-from mopd_jax import checkpointing, recipes, runs, stages
+from mopd_jax import checkpointing, json_files, recipes, runs, stages
 from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
                              write_text_atomic)
 from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
@@ -126,8 +126,8 @@ class Study:
     for m in self.config.merge_methods:
       run_dir = self.models()[f"merge/{m}"]
       if runs.finished(run_dir):
-        with open(os.path.join(run_dir, SUMMARY_FILE), encoding="utf-8") as f:
-          score = json.load(f).get("validation_greedy_mean")
+        score = json_files.read_object(os.path.join(
+            run_dir, SUMMARY_FILE)).get("validation_greedy_mean")
         if score is not None:
           scores[run_dir] = score
     if not scores:
@@ -188,17 +188,13 @@ def _seed_tasks(study: Study, seed: int):
   config = seed_config(study.config, seed, study.workdir)
   workdir = seed_dir(study.workdir, seed)
 
-  def run_seed():
-    if os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
-      print(f"study: seed {seed} finished before ({workdir})")
-      return
-    stages.run(config, workdir)
-
   def configs():
     for *_, child in _tasks(Study(config, workdir)):
       if child is not None:
         child()
-  return ("seed", f"seed {seed}", run_seed, configs)
+  # re-run whole: its finished steps are skipped as in any study
+  return ("seed", f"seed {seed}", lambda: stages.run(config, workdir),
+          configs)
 
 
 def _seed_process(config, workdir: str, log: str) -> None:
@@ -228,12 +224,7 @@ def _run_side_by_side(study: Study) -> None:
   import time as time_lib
   c = study.config
   context = multiprocessing.get_context("spawn")
-  waiting = []
-  for s in c.seeds:
-    if os.path.exists(os.path.join(seed_dir(study.workdir, s), SUMMARY_FILE)):
-      print(f"study: seed {s} finished before")
-    else:
-      waiting.append(s)
+  waiting = list(c.seeds)  # a finished seed's steps are skipped in it
   running: dict = {}  # seed -> (process, log)
   try:
     while waiting or running:
