@@ -20,7 +20,10 @@ live in ``expert_<kind>_<file stem>``. Variants:
 accelerators), ``:seeds`` (seeds 0, 1, 2: the base shared, everything else
 once per seed in ``seed_<s>/``, the report with 95% intervals over seeds
 and paired differences between paradigms), ``:smoke_seeds`` (two seeds at
-smoke size). Any seeds: ``--config.seeds='(0,1,2,3)'``.
+smoke size), ``:beyond`` (the default study plus the MOPD variants:
+the delta teacher, the three label-free token routers, MOPD from the
+best merge; each reported against plain MOPD), ``:smoke_beyond`` (the
+same at smoke size). Any seeds: ``--config.seeds='(0,1,2,3)'``.
 """
 
 from mopd_jax.recipes import recipe

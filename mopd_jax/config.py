@@ -479,7 +479,10 @@ def _mopd(c: ml_collections.ConfigDict) -> None:
   c.rl.update(group_size=4, prompts_per_step=64, minibatches=4)
   c.opd = ml_collections.ConfigDict(dict(
       # oracle: each sample to its domain's expert; delta: every token to
-      # the delta teacher z_base + delta_scale * sum_i (z_expert_i - z_base)
+      # the delta teacher z_base + delta_scale * sum_i (z_expert_i - z_base);
+      # label-free, per token from every expert's scores (MOPD-Router):
+      # entropy (the lowest), novelty (the highest log T_i(y_t) - log
+      # base(y_t)), expert_align (the lowest KL(student || T_i))
       router="oracle",
       delta_scale=1.0,
       # kl (exact, per position) | pg (sampled-token signal) | topk (dense);

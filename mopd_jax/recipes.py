@@ -81,6 +81,12 @@ def _study(config, variant: str) -> None:
     for name in config.overrides:  # the smoke configs' own sizes
       config.overrides[name] = ()
     config.eval.update(num_prompts=8, samples=2, coverage_prompts=4)
+  if variant.endswith("beyond"):  # the MOPD variants beside plain MOPD
+    at = config.steps.index("evaluate")
+    config.steps = (config.steps[:at] + ("mopd_delta", "mopd_entropy",
+                                         "mopd_novelty", "mopd_align",
+                                         "mopd_from_merge")
+                    + config.steps[at:])
   if variant == "seeds":
     config.update(seeds=(0, 1, 2), seed_processes=2)  # a 2-core CPU
   elif variant == "smoke_seeds":
@@ -97,7 +103,8 @@ RECIPES: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "mix_rl": (_mix_rl, ("smoke", "hf")),
     "mopd": (_mopd, ("open", "smoke", "hf")),
     "merge": (_merge, ("smoke", "hf")),
-    "study": (_study, ("smoke", "hf", "seeds", "smoke_seeds")),
+    "study": (_study, ("smoke", "hf", "seeds", "smoke_seeds", "beyond",
+                       "smoke_beyond")),
 }
 
 

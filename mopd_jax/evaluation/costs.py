@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import os
 
+from mopd_jax.fusion.teachers import TOKEN_ROUTERS
 from mopd_jax.metrics import read_metrics
 from mopd_jax.models.config import ModelConfig
 
 
 def teacher_models(config_json: dict) -> int:
   """The models a MOPD teacher's score runs per token: the expert (1), the
-  proxy teacher's three, or the delta teacher's base and every expert."""
+  proxy teacher's three, or the delta teacher's base and every expert;
+  a label-free token router runs every teacher on every token (and
+  ``expert_align`` the student once more, for its distribution)."""
   opd = config_json.get("opd", {})
-  if opd.get("router") == "delta":
-    return 1 + len(config_json["data"]["domains"])
-  return 3 if opd.get("proxy_teacher") else 1
+  router = opd.get("router")
+  n = len(config_json.get("data", {}).get("domains", ()))
+  if router == "delta":
+    return 1 + n
+  per_teacher = 3 if opd.get("proxy_teacher") else 1
+  if router in TOKEN_ROUTERS:
+    return n * per_teacher + (router == "expert_align")
+  return per_teacher
 
 
 def run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:

@@ -31,6 +31,13 @@ FAMILIES = {"merge": lambda m: m.startswith("merge/"),
             "mopd": lambda m: m in ("mopd", "open_mopd")}
 
 
+def versus_mopd(model: str) -> bool:
+  """Whether ``model`` is a MOPD variant the report sets against plain
+  MOPD (Open-MOPD, the delta teacher, a token router, MOPD from a
+  merge)."""
+  return model.startswith(("open_mopd", "mopd_"))
+
+
 def standard_error(p: float, n: int) -> float:
   """``sqrt(p (1 - p) / n)``: the standard error of an accuracy ``p``
   measured on ``n`` prompts."""

@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from mopd_jax.evaluation import intervals, pass_at_k
-from mopd_jax.evaluation.report import FAMILIES, mean_over
+from mopd_jax.evaluation.report import FAMILIES, mean_over, versus_mopd
+from mopd_jax.evaluation.study_report import markdown_matrix
 
 UNIT = (0.0, 1.0)  # the range of an accuracy or a pass@k
 
@@ -55,6 +56,11 @@ def _model_cells(per_seed, model, domains, held_out) -> dict:
                  for d, by_k in entries[0]["pass_at_k"].items()},
       flops=float(np.mean([e["cost"].get("with_experts", e["cost"]).get(
           "flops", 0.0) for e in entries])) if entries[0]["cost"] else None)
+  if all(e.get("routing") for e in entries):  # a token router's
+    out["routing"] = {d: {t: float(np.mean([e["routing"][d][t]
+                                            for e in entries]))
+                          for t in row}
+                      for d, row in entries[0]["routing"].items()}
   return out
 
 
@@ -147,9 +153,8 @@ def aggregate(seeds: Sequence[int], per_seed: Sequence[Mapping],
   cells = {m: _model_cells(per_seed, m, domains, held_out) for m in models}
   best = best_of_families(per_seed, domains)
   pairs = list(itertools.combinations(best.values(), 2))
-  for other in ("open_mopd", "mopd_from_merge"):  # each against MOPD
-    if {"mopd", other} <= set(models):
-      pairs.append((other, "mopd"))
+  if "mopd" in models:
+    pairs += [(other, "mopd") for other in models if versus_mopd(other)]
   samples = first["eval"].get("samples") or 0
   ks = sorted({1, samples}) if samples else []  # accuracy and coverage
   diffs = differences(outcomes, coverage, pairs, domains, ks)
@@ -193,11 +198,10 @@ def _text(results, winners, tied) -> str:
         f"{d}: {winners[d]}" if winners[d] else
         f"{d}: tied ({' = '.join(tied[d])})" for d in results["domains"])
                  + ".")
-  for key, name in (("open_mopd - mopd", "Open-MOPD"),
-                    ("mopd_from_merge - mopd", "MOPD from the best merge")):
-    if key in results["differences"]:
-      lines.append(f"{name} minus MOPD on the mean:"
-                   f" {_pct(results['differences'][key]['mean'])} points.")
+  for key, diff in results["differences"].items():
+    if key.endswith(" - mopd") and versus_mopd(key):
+      lines.append(f"{key.split(' - ')[0]} minus MOPD on the mean:"
+                   f" {_pct(diff['mean'])} points.")
   return " ".join(lines)
 
 
@@ -259,6 +263,13 @@ def markdown(results: Mapping) -> str:
                 "\n".join(cover[:2] + cover_diff).replace("| model |",
                                                           "| difference |",
                                                           1)]
+  for name, c in cells.items():
+    if c.get("routing"):
+      parts += [f"Routing of {name}: the share of each domain's tokens"
+                " (rows) sent to each domain's teacher (columns), %, mean"
+                " over steps and seeds; the oracle is the diagonal.",
+                markdown_matrix(c["routing"], domains, domains,
+                                fmt="{:.1f}")]
   return "\n\n".join(parts) + "\n"
 
 

@@ -1,7 +1,8 @@
 """``report.md`` and its figures from a study's ``results.json``: the
 per-domain table of every model, the spread between paradigms, pass@k
 curves, the cosine heatmap beside the transfer matrix, per-domain accuracy
-over training for Mix RL and MOPD, the cost table and the recommendation.
+over training for Mix RL and MOPD, the cost table, the MOPD variants against plain MOPD (with each token
+router's routing matrix) and the recommendation.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from mopd_jax.atomic import write_bytes_atomic, write_text_atomic
 from mopd_jax.evaluation.figures import png_bytes, pyplot
-from mopd_jax.evaluation.report import mean_over
+from mopd_jax.evaluation.report import mean_over, versus_mopd
 from mopd_jax.metrics import read_metrics
 
 REPORT_FILE = "report.md"
@@ -31,6 +32,27 @@ def accuracy_curves(run_dir: str) -> dict:
         out.setdefault(mode, {}).setdefault(domain, []).append(
             (record["step"], value))
   return out
+
+
+def routing_matrix(run_dir: str, domains) -> dict | None:
+  """``{domain: {teacher: share}}``: the share of each domain's tokens a
+  token router sent to each domain's teacher, the mean over the run's
+  steps (its ``route/<domain>/<teacher>`` metrics); None for a run that
+  routed by the label."""
+  sums: dict = {}
+  steps = 0
+  for record in read_metrics(run_dir):
+    if f"route/{domains[0]}/{domains[0]}" not in record:
+      continue
+    steps += 1
+    for d in domains:
+      for t in domains:
+        row = sums.setdefault(d, {})
+        row[t] = row.get(t, 0.0) + record.get(f"route/{d}/{t}", 0.0)
+  if not steps:
+    return None
+  return {d: {t: v / steps for t, v in row.items()} for d, row in
+          sums.items()}
 
 
 def _pct(v) -> str:
@@ -90,12 +112,48 @@ def _costs(results: Mapping) -> str:
   return "\n".join(rows)
 
 
-def _matrix(matrix: Mapping, rows, cols, scale=100.0, signed=True) -> str:
+def _beyond(results: Mapping) -> list[str]:
+  """The MOPD variants against plain MOPD: mean accuracy, its difference,
+  recovery and compute; each token router's routing matrix."""
+  methods, domains = results["methods"], results["domains"]
+  variants = [m for m in methods if versus_mopd(m)]
+  if "mopd" not in methods or not variants:
+    return []
+  plain = methods["mopd"]
+  plain_mean = mean_over(plain["accuracy"], domains)
+  plain_flops = plain["cost"].get("with_experts", plain["cost"]).get("flops")
+  rows = ["| model | mean | minus MOPD | recovery (mean) | FLOPs / MOPD's"
+          " (with experts) |", "|---|---|---|---|---|"]
+  for m in ["mopd", *variants]:
+    entry = methods[m]
+    mean = mean_over(entry["accuracy"], domains)
+    flops = entry["cost"].get("with_experts", entry["cost"]).get("flops")
+    rows.append(f"| {m} | {_pct(mean)} | {100 * (mean - plain_mean):+.1f} |"
+                f" {_pct(entry['headroom_recovery']['mean'])} | "
+                + (f"{flops / plain_flops:.2f}" if flops and plain_flops
+                   else "n/a") + " |")
+  parts = ["## Beyond plain MOPD",
+           "Greedy accuracy, one seed (differences of one seed have the"
+           " standard errors of the main table; a study over seeds gives"
+           " their intervals).", "\n".join(rows)]
+  for m in variants:
+    if methods[m].get("routing"):
+      parts += [f"Routing of {m}: the share of each domain's tokens (rows)"
+                " sent to each domain's teacher (columns), %, mean over"
+                " steps; the oracle is the diagonal.",
+                markdown_matrix(methods[m]["routing"], domains, domains,
+                        fmt="{:.1f}")]
+  return parts
+
+
+def markdown_matrix(matrix: Mapping, rows, cols, scale=100.0,
+                    fmt="{:+.1f}") -> str:
+  """A markdown table of ``matrix[row][col]``, each ``fmt.format(scale *
+  value)``."""
   out = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
   for r in rows:
     out.append(f"| {r} | " + " | ".join(
-        (f"{scale * matrix[r][c]:+.1f}" if signed
-         else f"{matrix[r][c]:.3f}") for c in cols) + " |")
+        fmt.format(scale * matrix[r][c]) for c in cols) + " |")
   return "\n".join(out)
 
 
@@ -185,12 +243,14 @@ def markdown(results: Mapping) -> str:
       "## Between paradigms (best of each, greedy)", _spread(results),
       "## Coverage (pass@k)", "![pass@k](pass_at_k.png)",
       "## Geometry and transfer",
-      _matrix(results["transfer"], domains, domains),
+      markdown_matrix(results["transfer"], domains, domains),
       "![geometry and transfer](geometry_transfer.png)",
   ]
   tv = results.get("task_vectors")
   if tv:
-    parts.insert(-1, _matrix(tv["cosine"], domains, domains, signed=False))
+    parts.insert(-1, markdown_matrix(tv["cosine"], domains, domains,
+                                     scale=1.0, fmt="{:.3f}"))
+  parts += _beyond(results)
   parts += ["## Cost", _costs(results)]
   return "\n\n".join(parts) + "\n"
 

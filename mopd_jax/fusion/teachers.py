@@ -1,7 +1,9 @@
 """Teachers of on-policy distillation: one expert run per domain, checked
 against the student's token ids at start-up; routing (``OracleRouter``:
 every sample to the teacher of its domain; ``DeltaRouter``: every sample
-to the delta teacher over all experts, ``delta_models``); and scoring
+to the delta teacher over all experts, ``delta_models``; ``TokenRouter``:
+every token to the teacher a label-free rule picks from every teacher's
+scores); and scoring
 (``score``: each teacher runs one forward pass over only the samples
 routed to it, one teacher at a time, its per-token log-probs, entropies
 and hidden states scattered back into batch order).
@@ -123,14 +125,21 @@ def teacher_mesh(mesh, devices: int):
 
 
 class Router(Protocol):
-  """Assigns every sample to one teacher."""
+  """Assigns every sample (``per_token`` False: before scoring, so each
+  teacher scores only its rows) or every token (``per_token`` True: from
+  every teacher's scores of every token) to one teacher."""
+
+  per_token: bool
 
   def route(self, domain_ids: np.ndarray) -> np.ndarray:
-    """[B] teacher indices from [B] domain indices."""
+    """[B] teacher indices from [B] domain indices (a token router has
+    ``choose(every) -> [B, T]`` instead)."""
 
 
 class OracleRouter:
   """Each sample is scored by the teacher of its own domain."""
+
+  per_token = False
 
   def __init__(self, domains, teachers: list[Teacher]):
     index = {t.domain: j for j, t in enumerate(teachers)}
@@ -143,6 +152,8 @@ class OracleRouter:
 class DeltaRouter:
   """Every sample is scored by the one delta teacher (``delta_models``)."""
 
+  per_token = False
+
   def __init__(self, domains, teachers: list[Teacher]):
     del domains, teachers
 
@@ -150,7 +161,69 @@ class DeltaRouter:
     return np.zeros(np.shape(domain_ids), np.int32)
 
 
-ROUTERS = {"oracle": OracleRouter, "delta": DeltaRouter}
+def lowest_entropy(every: dict) -> np.ndarray:
+  """``j*_t = argmin_j H(T_j(. | x, y_<t))``: the most certain teacher."""
+  return np.argmin(every["teacher_entropy"], axis=0).astype(np.int32)
+
+
+def highest_novelty(every: dict) -> np.ndarray:
+  """``j*_t = argmax_j log T_j(y_t) - log base(y_t)``: the teacher that
+  learned the sampled token most over the shared base. The base term is
+  the same for every ``j`` at a position, so this is ``argmax_j log
+  T_j(y_t)`` and needs no base forward pass."""
+  return np.argmax(every["teacher_logp"], axis=0).astype(np.int32)
+
+
+def closest_to_student(every: dict) -> np.ndarray:
+  """``j*_t = argmin_j KL(pi(. | x, y_<t) || T_j(. | x, y_<t))``, over the
+  vocabulary under the rollout-time student: the teacher whose
+  distribution agrees most with the student's (``align_kl`` [J, B, T])."""
+  return np.argmin(every["align_kl"], axis=0).astype(np.int32)
+
+
+class TokenRouter:
+  """Label-free routing per token (MOPD-Router): every teacher scores every
+  token, and a rule over those scores ([J, B, T] arrays) picks each token's
+  teacher; the domain labels are not read."""
+
+  per_token = True
+
+  def __init__(self, rule, needs_align: bool = False):
+    self.choose, self.needs_align = rule, needs_align
+
+
+ROUTERS = {
+    "oracle": OracleRouter, "delta": DeltaRouter,
+    "entropy": lambda domains, teachers: TokenRouter(lowest_entropy),
+    "novelty": lambda domains, teachers: TokenRouter(highest_novelty),
+    "expert_align": lambda domains, teachers: TokenRouter(
+        closest_to_student, needs_align=True)}
+TOKEN_ROUTERS = ("entropy", "novelty", "expert_align")
+
+
+def pick(every: dict, choice: np.ndarray) -> dict:
+  """Each token's chosen teacher's arrays from every teacher's ([J, B, T]
+  or [J, B, T, D]; ``choice`` [B, T]): [B, T] (or [B, T, D])."""
+  out = {}
+  for key, value in every.items():
+    index = choice[None].reshape(choice[None].shape + (1,) * (value.ndim - 3))
+    out[key] = np.take_along_axis(value, index, axis=0)[0]
+  return out
+
+
+def confusion(choice: np.ndarray, mask: np.ndarray, seq_ids: np.ndarray,
+              domains, teacher_names) -> dict:
+  """``{route/<domain>/<teacher>: (tokens of the domain sent to the
+  teacher, tokens of the domain)}``: the routing's confusion matrix
+  against the oracle (each domain to its own teacher)."""
+  mask = mask.astype(bool)
+  token_domain = np.broadcast_to(seq_ids[:, None], mask.shape)[mask]
+  token_teacher = choice[mask]
+  counts = np.zeros((len(domains), len(teacher_names)))
+  np.add.at(counts, (token_domain, token_teacher), 1.0)
+  return {f"route/{d}/{t}": (counts[i, j], counts[i].sum())
+          for i, d in enumerate(domains)
+          for j, t in enumerate(teacher_names)}
 
 
 def delta_models(teachers: list[Teacher], scale: float

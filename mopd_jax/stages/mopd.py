@@ -44,7 +44,9 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
   ``mb`` holds per-sequence arrays: the rollout, ``old_logp``,
   ``teacher_logp`` (and ``teacher_hidden``, ``teacher_entropy``,
   ``ref_logp`` as the options need), the outcome ``advantages``, the
-  routed ``teacher_id`` and the per-sequence loss ``weight`` (Open-MOPD).
+  routed ``teacher_id`` [B, T] (per token: a token router may send one
+  sequence's tokens to several teachers) and the per-sequence loss
+  ``weight`` (Open-MOPD).
   ``teacher_w`` [teachers, D, V] stacks the teachers' unembeddings (zero
   rows pad a smaller hidden size: the logits are unchanged); every
   full-vocabulary term runs once per teacher with only that teacher's rows
@@ -68,8 +70,8 @@ def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
     logp = stats["logp"]
 
     def routed(fn):
-      """``sum_j fn(j, mask_j)``: each row gets its own teacher's value."""
-      outs = [fn(j, mb["mask"] * (mb["teacher_id"] == j)[:, None])
+      """``sum_j fn(j, mask_j)``: each token gets its own teacher's value."""
+      outs = [fn(j, mb["mask"] * (mb["teacher_id"] == j))
               for j in range(teacher_w.shape[0])]
       return jax.tree.map(lambda *xs: sum(xs), *outs)
 
@@ -125,6 +127,24 @@ def stacked_unembeddings(teacher_params, teacher_cfgs) -> jax.Array:
                     for w in ws])
 
 
+def make_align_kl(model_cfg, temperature: float, ops: vocab.VocabOps):
+  """A jitted ``(params, batch, teacher_hidden [J, B, T, D], teacher_w
+  [J, D, V]) -> [J, B, T]``: ``KL(pi || T_j)`` at every completion position
+  over the vocabulary (the fused op, no [tokens, V] logits), ``pi`` the
+  student under ``params`` (the expert-align router's score)."""
+
+  @jax.jit
+  def align_kl(params, batch, teacher_hidden, teacher_w):
+    stats = policy.student_positions(params, model_cfg, batch, temperature,
+                                     ops)
+    return jnp.stack([vocab.vocab_kl(
+        stats["h"], stats["w"], teacher_hidden[j], teacher_w[j],
+        mask=batch["mask"], scale=stats["scale"], teacher_scale=1.0,
+        ops=ops).reverse for j in range(teacher_w.shape[0])])
+
+  return align_kl
+
+
 def write_headroom(workdir: str, scalars: dict, base_dir: str,
                    teacher_dirs: dict) -> None:
   """``<workdir>/headroom.json``: the final evaluation's headroom recovery
@@ -165,7 +185,9 @@ class MOPD:
     student_init = (teachers.Model(model_cfg, runs.load_params(
         config.init, model_cfg, self.teacher_mesh)) if opd_cfg.proxy_teacher
                     else None)
-    wide = full_vocabulary(opd_cfg)
+    # expert_align compares every teacher's distribution with the student's
+    wide = full_vocabulary(opd_cfg) or getattr(self.router, "needs_align",
+                                               False)
     ops = config_lib.op_options(config)
     self.scorers, self.teacher_params, teacher_cfgs = [], [], []
     composed = ([teachers.delta_models(self.teachers, opd_cfg.delta_scale)]
@@ -175,8 +197,8 @@ class MOPD:
       teacher_cfgs.append(tuple(m.cfg for m in models))
       self.teacher_params.append(tuple(m.params for m in models))
       self.scorers.append(teachers.make_scorer(
-          teacher_cfgs[-1], signs, opd_cfg.entropy_threshold > 0, wide,
-          ops))
+          teacher_cfgs[-1], signs, opd_cfg.entropy_threshold > 0
+          or opd_cfg.router == "entropy", wide, ops))
     # The loss reads the teachers' unembeddings on the student's mesh.
     teacher_w = jax.device_put(
         stacked_unembeddings(self.teacher_params, teacher_cfgs) if wide
@@ -184,6 +206,10 @@ class MOPD:
         parallel.replicated(mesh))
     self.hidden_width = int(teacher_w.shape[1]) if wide else 0
     self.shared = (teacher_w,)
+    self.mesh = mesh
+    if getattr(self.router, "needs_align", False):
+      self.align_kl = make_align_kl(model_cfg, config.sampling.temperature,
+                                    ops)
 
   def init_state(self) -> dict:
     return {"gap": open_mopd.init_gap_state(len(self.names))}
@@ -203,11 +229,34 @@ class MOPD:
     return self.base
 
   def signal(self, state, data, seq_ids) -> None:
-    """Each sample routed to one teacher, which scores its tokens."""
-    teacher_ids = self.router.route(seq_ids)
-    data.update(teachers.score(self.scorers, self.teacher_params, teacher_ids,
-                           data, self.teacher_mesh, self.hidden_width))
-    data["teacher_id"] = teacher_ids.astype(np.int32)
+    """Each sample routed to one teacher, which scores its tokens; or, for
+    a token router, every teacher scores every token and the router picks
+    each token's teacher."""
+    mask = data["mask"]
+    if not self.router.per_token:
+      teacher_ids = self.router.route(seq_ids)
+      data.update(teachers.score(self.scorers, self.teacher_params,
+                                 teacher_ids, data, self.teacher_mesh,
+                                 self.hidden_width))
+      data["teacher_id"] = np.broadcast_to(
+          teacher_ids.astype(np.int32)[:, None], mask.shape).copy()
+      return
+    every = [teachers.score([scorer], [p], np.zeros(len(mask), np.int32),
+                            data, self.teacher_mesh, self.hidden_width)
+             for scorer, p in zip(self.scorers, self.teacher_params)]
+    every = {k: np.stack([e[k] for e in every]) for k in every[0]}
+    if self.router.needs_align:
+      with parallel.activate(self.mesh):
+        batch = parallel.shard_batch(self.mesh, {
+            k: data[k] for k in ("prompt", "prompt_mask", "completion",
+                                 "mask")})
+        every["align_kl"] = np.asarray(parallel.to_host(self.align_kl(
+            state["params"], batch, jnp.asarray(every["teacher_hidden"]),
+            self.shared[0])))
+    choice = self.router.choose(every)
+    every.pop("align_kl", None)
+    data.update(teachers.pick(every, choice))
+    data["teacher_id"] = choice
 
   def weigh(self, state, data, seq_ids) -> dict:
     """The gap state and the per-domain loss weights of this batch."""
@@ -228,7 +277,9 @@ class MOPD:
     return {"gap": gap_state}, (signal[mask], token_domain, tokens, loss_w)
 
   def metrics(self, state, new_state, ids, data, informative, notes):
-    """Per domain: loss share, signal, reverse KL, gap, loss weight."""
+    """Per domain: loss share, signal, reverse KL, gap, loss weight; with a
+    token router, the confusion matrix of its routing against the
+    oracle."""
     signal, token_domain, tokens, loss_w = notes
     effective = loss_w * tokens
     signal_sums = np.bincount(token_domain, weights=signal,
@@ -240,6 +291,11 @@ class MOPD:
       pairs[f"reverse_kl/{name}"] = (-signal_sums[d], tokens[d])
       pairs[f"gap/{name}"] = (new_state["gap"]["signal"][d], 1.0)
       pairs[f"loss_weight/{name}"] = (loss_w[d], 1.0)
+    if self.router.per_token:
+      seq_ids = np.repeat(ids, self.config.rl.group_size)
+      pairs.update(teachers.confusion(data["teacher_id"], data["mask"],
+                                      seq_ids, self.names,
+                                      [t.domain for t in self.teachers]))
     return {}, pairs
 
 

@@ -37,8 +37,21 @@ from mopd_jax.evaluation import costs, headroom, report, seeded, study_report
 from mopd_jax.fusion.teachers import parse_teachers
 from mopd_jax.training import SUMMARY_FILE
 
-STEPS = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
-         "mopd_from_merge", "evaluate", "report")
+# The MOPD runs a study can add beside plain MOPD, each a step of that
+# name on the same base, experts, data and evaluation, reported against
+# plain MOPD: the fields they set on configs/mopd.py (open_mopd: the :open
+# variant's mechanisms; mopd_from_merge also starts from the best merge).
+MOPD_VARIANTS = {
+    "open_mopd": lambda: {f"open_mopd.{k}": v for k, v in
+                          config_file("mopd", "open").open_mopd.items()},
+    "mopd_delta": lambda: {"opd.router": "delta"},
+    "mopd_entropy": lambda: {"opd.router": "entropy"},
+    "mopd_novelty": lambda: {"opd.router": "novelty"},
+    "mopd_align": lambda: {"opd.router": "expert_align"},
+    "mopd_from_merge": dict,
+}
+STEPS = ("base", "experts", "merge", "mix_rl", "mopd", *MOPD_VARIANTS,
+         "evaluate", "report")
 RESULTS_FILE = "results.json"
 EVALUATIONS = "evaluations"
 
@@ -114,8 +127,9 @@ class Study:
                 for m in self.config.merge_methods})
     for name in ("mix_rl", "mopd", "open_mopd"):
       out[name] = os.path.join(self.workdir, name)
-    if "mopd_from_merge" in self.config.steps:
-      out["mopd_from_merge"] = os.path.join(self.workdir, "mopd_from_merge")
+    for name in MOPD_VARIANTS:  # the added ones, as selected
+      if name in self.config.steps:
+        out[name] = os.path.join(self.workdir, name)
     return out
 
   def best_merge(self) -> str:
@@ -296,25 +310,25 @@ def _tasks(study: Study):
   if "mix_rl" in c.steps:
     train("mix_rl", "Mix RL", "mix_rl", study.models()["mix_rl"],
           init=study.base)
-  for name in ("mopd", "open_mopd"):
-    if name in c.steps:
-      fields = dict(init=study.base, teachers=study.template)
-      if name == "open_mopd":  # the :open variant's mechanisms
-        fields.update({f"open_mopd.{k}": v for k, v in
-                       config_file("mopd", "open").open_mopd.items()})
-      train(name, name, "mopd", study.models()[name], **fields)
-  if "mopd_from_merge" in c.steps:
-    path, fields = study.models()["mopd_from_merge"], dict(
-        teachers=study.template)
+  for name in ("mopd", *MOPD_VARIANTS):
+    if name not in c.steps:
+      continue
+    fields = dict(teachers=study.template, **MOPD_VARIANTS.get(
+        name, dict)())
+    if name != "mopd_from_merge":
+      train(name if name in MINUTES else "mopd", name, "mopd",
+            study.models()[name], init=study.base, **fields)
+      continue
     # The merge is chosen once the merges are done; any stands in for it
     # in the early check of the config.
     tasks.append((
         "mopd", "MOPD from the best merge",
-        lambda: study.child("MOPD from the best merge", "mopd", path,
-                            init=study.best_merge(), **fields),
-        lambda: study.child_config(
+        lambda f=fields: study.child(
+            "MOPD from the best merge", "mopd",
+            study.models()["mopd_from_merge"], init=study.best_merge(), **f),
+        lambda f=fields: study.child_config(
             "mopd", init=study.models()[f"merge/{c.merge_methods[0]}"],
-            **fields)))
+            **f)))
   if "evaluate" in c.steps:
     for model, run_dir in study.models().items():
       tasks.append(("evaluate", f"evaluate {model}",
@@ -403,13 +417,14 @@ def write_results(study: Study) -> dict:
   scalars, configs = {}, {}
   for model, run_dir in study.models().items():
     path = evaluation_path(study, model)
-    if not os.path.exists(path):
-      print(f"study: {model} has no evaluation ({path}); left out of the"
-            " report")
+    run_config = os.path.join(run_dir, "config.json")
+    if not (os.path.exists(path) and os.path.exists(run_config)):
+      print(f"study: {model} has no evaluation ({path}) or no run"
+            f" ({run_dir}); left out of the report")
       continue
     with open(path, encoding="utf-8") as f:
       scalars[model] = json.load(f)
-    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+    with open(run_config, encoding="utf-8") as f:
       configs[model] = json.load(f)
   if "base" not in scalars or any(f"expert/{d}" not in scalars
                                   for d in study.domains):
@@ -439,6 +454,10 @@ def write_results(study: Study) -> dict:
     entries[model] = report.model_entry(
         found, base, oracle, study.domains, study.held_out, c.num_prompts,
         cost)
+    routing = (study_report.routing_matrix(run_dir, study.domains)
+               if run_dir and report.versus_mopd(model) else None)
+    if routing:
+      entries[model]["routing"] = routing
   geometry_path = next((os.path.join(study.models()[f"merge/{m}"],
                                      "geometry.json")
                         for m in study.config.merge_methods
@@ -461,7 +480,7 @@ def write_results(study: Study) -> dict:
   results["recommendation"] = report.recommendation(results)
   write_json_atomic(os.path.join(study.workdir, RESULTS_FILE), results)
   curves = {name: study_report.accuracy_curves(study.models()[name])
-            for name in ("mix_rl", "mopd", "open_mopd", "mopd_from_merge")
+            for name in ("mix_rl", "mopd", *MOPD_VARIANTS)
             if name in study.models()
             if os.path.exists(os.path.join(study.models()[name],
                                            "metrics.jsonl"))}

@@ -65,7 +65,12 @@ def test_the_delta_and_proxy_teachers_run_more_models_per_token(tmp_path):
   fwd, train = cfg.forward_flops_per_token(10), cfg.train_flops_per_token(10)
   for opd, models in ((dict(router="oracle"), 1),
                       (dict(router="oracle", proxy_teacher=True), 3),
-                      (dict(router="delta"), 4)):
+                      (dict(router="delta"), 4),
+                      # every expert scores every token; expert_align
+                      # runs the student once more
+                      (dict(router="novelty"), 3),
+                      (dict(router="entropy", proxy_teacher=True), 9),
+                      (dict(router="expert_align"), 4)):
     assert costs.teacher_models(dict(base, opd=opd)) == models
     cost = costs.run_cost(run, dict(base, opd=opd))
     assert cost["flops"] == pytest.approx(4 * ((1 + models) * fwd + train))

@@ -1,5 +1,6 @@
-"""MOPD plumbing: teacher specs and checks, oracle routing, routed scoring,
-and the Open-MOPD weights against hand-computed cases."""
+"""MOPD plumbing: teacher specs and checks, oracle and label-free token
+routing, routed scoring, and the Open-MOPD weights against hand-computed
+cases."""
 
 import dataclasses
 
@@ -41,6 +42,49 @@ def test_oracle_router_sends_each_sample_to_its_domain_teacher():
   ids = np.array([0, 1, 2, 2, 0, 1])
   routed = router.route(ids)
   assert [found[j].domain for j in routed] == [DOMAINS[i] for i in ids]
+
+
+def test_token_routers_pick_each_tokens_teacher_as_a_loop_does():
+  """The three label-free rules against a loop over tokens (novelty
+  computed with the base term, which cancels), ``pick`` against indexing,
+  and the confusion matrix against counting."""
+  rng = np.random.default_rng(0)
+  J, B, T = 3, 4, 5
+  every = dict(teacher_logp=rng.normal(size=(J, B, T)),
+               teacher_entropy=rng.uniform(size=(J, B, T)),
+               align_kl=rng.uniform(size=(J, B, T)),
+               teacher_hidden=rng.normal(size=(J, B, T, 2)))
+  base_logp = rng.normal(size=(B, T))
+  rules = {name: teachers.ROUTERS[name](DOMAINS, []) for name in
+           ("entropy", "novelty", "expert_align")}
+  assert all(r.per_token for r in rules.values())
+  assert rules["expert_align"].needs_align
+  assert not rules["novelty"].needs_align
+  for name, score in (
+      ("entropy", lambda j, b, t: -every["teacher_entropy"][j, b, t]),
+      ("novelty", lambda j, b, t: every["teacher_logp"][j, b, t]
+       - base_logp[b, t]),
+      ("expert_align", lambda j, b, t: -every["align_kl"][j, b, t])):
+    choice = rules[name].choose(every)
+    want = [[max(range(J), key=lambda j: score(j, b, t)) for t in range(T)]
+            for b in range(B)]
+    assert choice.tolist() == want, name
+  choice = rules["entropy"].choose(every)
+  picked = teachers.pick(every, choice)
+  for b in range(B):
+    for t in range(T):
+      j = choice[b, t]
+      assert picked["teacher_logp"][b, t] == every["teacher_logp"][j, b, t]
+      np.testing.assert_array_equal(picked["teacher_hidden"][b, t],
+                                    every["teacher_hidden"][j, b, t])
+  mask = rng.integers(0, 2, (B, T))
+  seq_ids = np.array([0, 2, 2, 1])
+  matrix = teachers.confusion(choice, mask, seq_ids, DOMAINS, DOMAINS)
+  for i, d in enumerate(DOMAINS):
+    rows = seq_ids == i
+    for j, t in enumerate(DOMAINS):
+      assert matrix[f"route/{d}/{t}"] == (
+          np.sum((choice[rows] == j) * mask[rows]), np.sum(mask[rows]))
 
 
 def test_score_runs_each_teacher_on_exactly_its_rows():

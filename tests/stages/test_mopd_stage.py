@@ -44,24 +44,35 @@ def _sections(**opd_overrides):
 
 
 def _batch(student, teachers, teacher_ids):
-  """A sampled batch with its routed teacher scores, as the stage builds it."""
+  """A sampled batch with its routed teacher scores, as the stage builds it:
+  ``teacher_ids`` [B] routes whole samples (each teacher scores its rows);
+  [B, T] routes tokens (every teacher scores every row, ``teachers.pick``
+  keeps each token's own)."""
   prompts = ["add 12+7=", "sort dcba:", "rev xyz:", "add 3+4="]
   prompt, prompt_mask = batching.encode_prompts(prompts, TOK, 12)
   rollout = sampler.sample(student[1], student[0], prompt, prompt_mask,
                            jax.random.key(3), SAMPLING)
+  mask = np.asarray(rollout.mask)
   data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
-              completion=np.asarray(rollout.completion),
-              mask=np.asarray(rollout.mask),
+              completion=np.asarray(rollout.completion), mask=mask,
               old_logp=np.asarray(rollout.logprobs),
               advantages=np.zeros(4, np.float32),
-              keep=np.ones(4, np.float32), weight=np.ones(4, np.float32),
-              teacher_id=teacher_ids)
+              keep=np.ones(4, np.float32), weight=np.ones(4, np.float32))
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
   scorers = [teacher_lib.make_scorer((cfg,), (1.0,), True, True)
              for cfg, _ in teachers]
+  params = [(p,) for _, p in teachers]
   width = max(cfg.embed_dim for cfg, _ in teachers)
-  data.update(teacher_lib.score(scorers, [(p,) for _, p in teachers], teacher_ids,
-                         data, mesh, width))
+  if teacher_ids.ndim == 1:
+    data.update(teacher_lib.score(scorers, params, teacher_ids, data, mesh,
+                                  width))
+    teacher_ids = np.broadcast_to(teacher_ids[:, None], mask.shape)
+  else:
+    every = [teacher_lib.score([s], [p], np.zeros(4, np.int32), data, mesh,
+                               width) for s, p in zip(scorers, params)]
+    data.update(teacher_lib.pick(
+        {k: np.stack([e[k] for e in every]) for k in every[0]}, teacher_ids))
+  data["teacher_id"] = np.array(teacher_ids, np.int32)
   return data
 
 
@@ -74,11 +85,12 @@ def _models():
 
 
 def _teacher_logits(teachers, data):
-  """Each row's own teacher's full logits, the naive way."""
-  zs = [np.asarray(sampler.completion_logits(
+  """Each token's own teacher's full logits, the naive way."""
+  zs = np.stack([np.asarray(sampler.completion_logits(
       p, cfg, data["prompt"], data["prompt_mask"], data["completion"],
-      data["mask"], SAMPLING)) for cfg, p in teachers]
-  return np.stack([zs[j][b] for b, j in enumerate(data["teacher_id"])])
+      data["mask"], SAMPLING)) for cfg, p in teachers])
+  return np.take_along_axis(zs, data["teacher_id"][None, ..., None],
+                            0)[0]
 
 
 def _student_log_softmax(params, cfg, data):
@@ -99,10 +111,17 @@ def _masked_mean(x, mask):
   return jnp.sum(x * mask) / jnp.sum(mask)
 
 
-def test_routed_scores_and_the_kl_loss_match_full_logits():
+@pytest.mark.parametrize("per_token", [False, True])
+def test_routed_scores_and_the_kl_loss_match_full_logits(per_token):
+  """Teachers of two sizes, routed by sample or (as a token router does)
+  token by token: the scores and the KL loss match each token's own
+  teacher's full logits."""
   student, teachers = _models()
-  ids = np.array([1, 0, 1, 0], np.int32)
-  data = _batch(student, teachers, ids)
+  ids = (np.random.default_rng(1).integers(0, 2, (4, SAMPLING.max_new_tokens))
+         if per_token else np.array([1, 0, 1, 0]))
+  data = _batch(student, teachers, ids.astype(np.int32))
+  if per_token:  # the rows mix teachers
+    assert all(0 < r.sum() < len(r) for r in data["teacher_id"][:2])
   zt = _teacher_logits(teachers, data)
   mask = data["mask"].astype(np.float32)
   lt = np.asarray(jax.nn.log_softmax(zt, -1))
@@ -130,6 +149,34 @@ def test_routed_scores_and_the_kl_loss_match_full_logits():
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_expert_align_scores_are_the_full_kl_to_every_teacher():
+  """``make_align_kl``: ``KL(pi || T_j)`` per token for every teacher (two
+  sizes, hidden states zero-padded), against full logits."""
+  student, teachers = _models()
+  data = _batch(student, teachers, np.zeros((4, SAMPLING.max_new_tokens),
+                                            np.int32))
+  mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
+  width = max(cfg.embed_dim for cfg, _ in teachers)
+  hidden = np.stack([teacher_lib.score(
+      [teacher_lib.make_scorer((cfg,), (1.0,), False, True)], [(p,)],
+      np.zeros(4, np.int32), data, mesh, width)["teacher_hidden"]
+      for cfg, p in teachers])
+  align = mopd_stage.make_align_kl(student[0], 1.0, OPS)
+  got = np.asarray(align(student[1], {k: data[k] for k in (
+      "prompt", "prompt_mask", "completion", "mask")}, jnp.asarray(hidden),
+      _teacher_w(teachers)))
+  ls = np.asarray(_student_log_softmax(student[1], student[0], data))
+  mask = data["mask"].astype(np.float32)
+  for j, (cfg, p) in enumerate(teachers):
+    lt = np.asarray(jax.nn.log_softmax(sampler.completion_logits(
+        p, cfg, data["prompt"], data["prompt_mask"], data["completion"],
+        data["mask"], SAMPLING), -1))
+    want = np.sum(np.exp(ls) * (ls - lt), -1)
+    np.testing.assert_allclose(got[j] * mask, want * mask, rtol=1e-4,
+                               atol=1e-5)
+  assert not np.allclose(got[0] * mask, got[1] * mask, atol=1e-3)
 
 
 def test_topk_loss_with_every_extra_matches_full_logits():
