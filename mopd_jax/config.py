@@ -498,6 +498,21 @@ def _mopd(c: ml_collections.ConfigDict) -> None:
       # Devices holding the teachers: 0, the student's mesh; k > 0, a
       # sub-mesh of the last k devices (teachers' parameters sharded over it).
       teacher_devices=0,
+      # Who samples the completions the loss is taken on: the student
+      # (on-policy) or each domain's expert (teacher prefixes, off-policy
+      # distillation; with loss=kl, kl_alpha=1 is forward KL on them).
+      prefix="student",
+      # TRB warm-up: for the first trb_steps steps sample from the blend of
+      # student and teacher inside KL(b || student) <= delta_t, delta_t
+      # annealed linearly from trb_delta to 0 (0: off)
+      trb_delta=0.0,
+      trb_steps=0,
+      # Entropy-gated length curriculum (0: off): the completion budget
+      # starts at curriculum_start tokens and grows by curriculum_growth a
+      # step while the student's mean entropy stays >= curriculum_entropy
+      curriculum_entropy=0.0,
+      curriculum_start=8,
+      curriculum_growth=8,
   ))
   c.open_mopd = ml_collections.ConfigDict(dict(
       token_share=False,  # weight d by target_share_d / token_share_d
@@ -529,6 +544,13 @@ _MOPD_CHECKS: Checks = (
     ("opd.entropy_threshold", _non_negative, ">= 0 (0 disables)"),
     ("opd.extrapolation", _non_negative, ">= 0 (1 disables)"),
     ("opd.teacher_devices", _non_negative, ">= 0 (0: the student's mesh)"),
+    ("opd.prefix", lambda v: v in ("student", "teacher"),
+     "student or teacher"),
+    ("opd.trb_delta", _non_negative, ">= 0 (0: off)"),
+    ("opd.trb_steps", _non_negative, ">= 0"),
+    ("opd.curriculum_entropy", _non_negative, ">= 0 (0: off)"),
+    ("opd.curriculum_start", _positive, "> 0"),
+    ("opd.curriculum_growth", _positive, "> 0"),
     ("open_mopd.target_shares", lambda v: all(w >= 0 for w in v) and (
         not v or sum(v) > 0), "empty or non-negative with a positive sum"),
     ("open_mopd.token_share_power", _non_negative, ">= 0 (1: exact)"),
@@ -729,6 +751,32 @@ def _validate_mopd(full) -> None:
   if full.opd.loss != "pg" and full.opd.extrapolation != 1.0:
     raise ConfigError("opd.extrapolation: needs opd.loss='pg' (a sampled-token"
                       " signal)")
+  opd_cfg = full.opd
+  off_policy = opd_cfg.prefix == "teacher" or opd_cfg.trb_delta > 0
+  if opd_cfg.trb_delta > 0 and not opd_cfg.trb_steps:
+    raise ConfigError("opd.trb_steps: the TRB warm-up needs the steps its"
+                      " radius anneals over (> 0)")
+  if opd_cfg.prefix == "teacher" and opd_cfg.trb_delta > 0:
+    raise ConfigError("opd.trb_delta: teacher prefixes are sampled by the"
+                      " teacher alone; TRB blends it with the student")
+  if off_policy and (opd_cfg.router != "oracle" or opd_cfg.proxy_teacher
+                     or opd_cfg.teacher_devices):
+    raise ConfigError("opd.prefix: teacher prefixes and TRB sample from each"
+                      " domain's own expert (opd.router=oracle, no"
+                      " proxy_teacher, teacher_devices=0)")
+  if opd_cfg.prefix == "teacher" and opd_cfg.loss == "pg":
+    raise ConfigError("opd.prefix: teacher prefixes need a per-position loss"
+                      " (opd.loss=kl or topk); the sampled-token pg loss"
+                      " would need importance weights to the teacher")
+  if opd_cfg.trb_delta > 0 and opd_cfg.loss == "pg" and not full.rl.tis_cap:
+    raise ConfigError("rl.tis_cap: the TRB warm-up with opd.loss=pg needs"
+                      " the truncated importance weight student/behaviour"
+                      " (> 0)")
+  if opd_cfg.curriculum_entropy > 0 and (
+      opd_cfg.curriculum_start > full.sampling.max_new_tokens):
+    raise ConfigError(f"opd.curriculum_start: {opd_cfg.curriculum_start}"
+                      " exceeds sampling.max_new_tokens"
+                      f" ({full.sampling.max_new_tokens})")
 
 
 def op_options(config: ml_collections.ConfigDict) -> vocab.VocabOps:

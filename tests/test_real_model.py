@@ -175,7 +175,14 @@ TINY = ("--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
         "--config.checkpoint.every=1")
 
 
-def test_a_grpo_step_on_the_real_model(tmp_path, smollm2_run):
+def test_a_grpo_step_then_a_mopd_step_with_its_result_as_teacher(
+    tmp_path, smollm2_run):
+  """One GRPO step on the real model, then one MOPD step from that run with
+  itself as the teacher, in turn (the second run loads the sampler and
+  evaluation programs the first compiled). The MOPD KL is 0 at step 0, to
+  the float32 rounding between the teacher's scoring pass and the
+  student's own (measured: 4e-7 for the exact KL, 7e-7 per sampled
+  token)."""
   domain = "math:" + _math_file(tmp_path / "sums.jsonl")
   grpo = tmp_path / "grpo"
   result = train_cli("--config=configs/grpo.py", f"--workdir={grpo}",
@@ -186,18 +193,10 @@ def test_a_grpo_step_on_the_real_model(tmp_path, smollm2_run):
   assert result.returncode == 0, result.stderr[-2000:]
   assert runs.finished(grpo)
   assert runs.final_model(grpo)[0].num_layers == 30
-
-
-def test_a_mopd_step_with_the_model_as_its_own_teacher(tmp_path,
-                                                       smollm2_run):
-  """The KL is 0 at step 0, to the float32 rounding between the teacher's
-  scoring pass and the student's own (measured: 4e-7 for the exact KL,
-  7e-7 per sampled token)."""
-  domain = "math:" + _math_file(tmp_path / "sums.jsonl")
   mopd = tmp_path / "mopd"
   result = train_cli("--config=configs/mopd.py", f"--workdir={mopd}",
-                     f"--config.init={smollm2_run}",
-                     f"--config.teachers={domain}={smollm2_run}",
+                     f"--config.init={grpo}",
+                     f"--config.teachers={domain}={grpo}",
                      f"--config.data.domains=('{domain}',)",
                      f"--config.eval.domains=('{domain}',)", *TINY,
                      timeout=900, env=ONE_DEVICE)

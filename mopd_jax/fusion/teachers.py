@@ -295,6 +295,46 @@ def teacher_models(teacher: Teacher, student_init: Model | None
   return (student_init, teacher.model, teacher.init), (1.0, 1.0, -1.0)
 
 
+def padded_rows(rows: np.ndarray, mesh) -> np.ndarray:
+  """``rows`` padded with copies of the first to a power of two of at
+  least 8, and to a multiple of ``mesh``'s data-parallel size, so that few
+  shapes compile."""
+  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  padded = max(8, 1 << int(rows.size - 1).bit_length())
+  padded = -(-padded // data_parallel) * data_parallel
+  return np.concatenate([rows, np.full(padded - rows.size, rows[0])])
+
+
+def sample_routed(student: Model, teachers: list[Teacher],
+                  teacher_ids: np.ndarray, prompt, prompt_mask, key,
+                  sampling, delta: float | None) -> sampler.Rollout:
+  """Each teacher's rows (``teacher_ids``) sampled by that teacher alone
+  (``delta`` None: teacher prefixes) or from ``sampler.trust_region_blend``
+  of the student and it at ``delta`` (TRB), one pass per teacher over its
+  rows (``padded_rows``), gathered back into batch order on the host."""
+  prompt, prompt_mask = np.asarray(prompt), np.asarray(prompt_mask)
+  batch, n = len(prompt), sampling.max_new_tokens
+  out = sampler.Rollout(np.full((batch, n), sampling.pad_id, np.int32),
+                        np.zeros((batch, n), np.float32),
+                        np.zeros((batch, n), np.int32))
+  mesh = jax.sharding.get_mesh()
+  for j, teacher in enumerate(teachers):
+    rows = np.flatnonzero(teacher_ids == j)
+    if not rows.size:
+      continue
+    idx = padded_rows(rows, mesh)
+    model = teacher.model
+    args = (prompt[idx], prompt_mask[idx], jax.random.fold_in(key, j),
+            sampling)
+    rollout = parallel.to_host(
+        sampler.sample(model.params, model.cfg, *args) if delta is None
+        else sampler.sample(student.params, student.cfg, *args,
+                            guide=(model.params, model.cfg, delta)))
+    for whole, part in zip(out, rollout):
+      whole[rows] = np.asarray(part)[:rows.size]
+  return out
+
+
 def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
           hidden_width: int = 0) -> dict:
   """Route, score and gather back: for each teacher ``j``, one forward pass
@@ -304,15 +344,12 @@ def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
   moved to host. Returns [B, T] arrays (and
   ``teacher_hidden`` [B, T, hidden_width], zero-padded in the last axis)."""
   batch, width = arrays["completion"].shape
-  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
   pending = []
   for j, (scorer, p) in enumerate(zip(scorers, params)):
     rows = np.flatnonzero(teacher_ids == j)
     if not rows.size:
       continue
-    padded = max(8, 1 << int(rows.size - 1).bit_length())
-    padded = -(-padded // data_parallel) * data_parallel
-    idx = np.concatenate([rows, np.full(padded - rows.size, rows[0])])
+    idx = padded_rows(rows, mesh)
     with parallel.activate(mesh):
       batch_in = parallel.shard_batch(
           mesh, {k: arrays[k][idx] for k in ("prompt", "prompt_mask",

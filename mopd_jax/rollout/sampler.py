@@ -70,8 +70,46 @@ def policy_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
   return z
 
 
-def _choose(logits, key, sampling: SamplingConfig):
-  z = policy_logits(logits, sampling)
+def trust_region_blend(student_logp: jax.Array, teacher_logp: jax.Array,
+                       delta, iters: int = 20) -> jax.Array:
+  """The behaviour policy closest to the teacher inside a KL trust region
+  around the student (TRB), per row, as log-probs.
+
+  ``b_beta = softmax((1 - beta) log pi + beta log T)``, the geometric
+  mixture, with ``beta*`` the largest ``beta`` in [0, 1] such that
+  ``KL(b_beta || pi) <= delta``: ``KL(b_beta || pi)`` grows with ``beta``
+  (its derivative is ``beta Var_b(log T - log pi) >= 0``), so ``beta*`` is
+  found by bisection (``iters`` halvings; ``beta* = 1`` where the teacher
+  itself is inside the region, 0 at ``delta = 0``). ``student_logp``,
+  ``teacher_logp``: [..., V] log-probs (``-inf`` allowed).
+  """
+  floor = -1e30  # -inf * 0 would be nan
+  lp_s = jnp.maximum(student_logp.astype(jnp.float32), floor)
+  lp_t = jnp.maximum(teacher_logp.astype(jnp.float32), floor)
+
+  def blend(beta):
+    return jax.nn.log_softmax((1.0 - beta) * lp_s + beta * lp_t, axis=-1)
+
+  def kl(beta):
+    lb = blend(beta)
+    return jnp.sum(jnp.exp(lb) * (lb - lp_s), axis=-1)
+
+  def halve(_, bounds):
+    low, high = bounds
+    mid = 0.5 * (low + high)
+    inside = kl(mid[..., None]) <= delta
+    return jnp.where(inside, mid, low), jnp.where(inside, high, mid)
+
+  shape = student_logp.shape[:-1]
+  low, _ = jax.lax.fori_loop(0, iters, halve, (jnp.zeros(shape),
+                                               jnp.ones(shape)))
+  beta = jnp.where(kl(jnp.ones(shape + (1,))) <= delta, 1.0, low)
+  # float32 rounds a tiny KL to <= 0: no region is no mixture at all
+  return blend(jnp.where(delta > 0, beta, 0.0)[..., None])
+
+
+def _choose(z, key, sampling: SamplingConfig):
+  """A token from the policy logits ``z`` and its log-prob under them."""
   if sampling.temperature > 0:
     token = jax.random.categorical(key, z, axis=-1)
   else:
@@ -94,20 +132,25 @@ def _prefill(params, cfg: ModelConfig, prompt, prompt_mask, slots: int):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=(4,))
-def _decode(params, cfg: ModelConfig, sampling: SamplingConfig, key,
-            cache, last_logits, next_position):
+def _decode(params, cfgs: tuple[ModelConfig, ...], sampling: SamplingConfig,
+            key, caches, last_logits, next_position, delta):
+  """Decodes with one model (``params``, ``cfgs``, ``caches`` and
+  ``last_logits`` tuples of one), or the student and a teacher in lockstep
+  (of two), each token drawn from ``trust_region_blend`` of their policies
+  at ``delta``."""
   # On a CPU, each layer's weights their own buffer, sliced once here
   # rather than copied out of the stacked arrays at every step of the loop
   # (measured: decode 55.4 -> 45.3 s for SmolLM2-135M at batch 64). Not on
   # accelerators: unmeasured there, and the copy would double the
   # parameters' share of device memory while sampling.
   if jax.default_backend() == "cpu":
-    params = decoder.unstack_layers(params, cfg.num_layers)
-  batch = last_logits.shape[0]
+    params = tuple(decoder.unstack_layers(p, c.num_layers)
+                   for p, c in zip(params, cfgs))
+  batch = last_logits[0].shape[0]
   n = sampling.max_new_tokens
   out = jnp.full((batch, n), sampling.pad_id, jnp.int32)
   # A row with an empty prompt (padding of a short batch) is done at once.
-  state = (jnp.int32(0), cache, last_logits, next_position,
+  state = (jnp.int32(0), caches, last_logits, next_position,
            next_position == 0, out, jnp.zeros((batch, n), jnp.float32),
            jnp.zeros((batch, n), jnp.int32), key)
 
@@ -116,28 +159,34 @@ def _decode(params, cfg: ModelConfig, sampling: SamplingConfig, key,
     return (step < n) & ~jnp.all(done)
 
   def body(state):
-    step, cache, logits, position, done, out, lps, mask, key = state
+    step, caches, logits, position, done, out, lps, mask, key = state
     key, sub = jax.random.split(key)
-    token, lp = _choose(logits, sub, sampling)
+    zs = [policy_logits(z, sampling) for z in logits]
+    z = zs[0] if len(zs) == 1 else trust_region_blend(
+        jax.nn.log_softmax(zs[0], -1), jax.nn.log_softmax(zs[1], -1), delta)
+    token, lp = _choose(z, sub, sampling)
     live = ~done
     token = jnp.where(live, token, sampling.pad_id)
     out = out.at[:, step].set(token)
     lps = lps.at[:, step].set(jnp.where(live, lp, 0.0))
     mask = mask.at[:, step].set(live.astype(jnp.int32))
     done = done | jnp.isin(token, jnp.asarray(sampling.stop_ids, jnp.int32))
-    logits, cache = decoder.apply(params, cfg, token[:, None],
-                                  live.astype(jnp.int32)[:, None],
-                                  position[:, None], cache)
-    return (step + 1, cache, logits[:, 0], position + 1, done, out, lps, mask,
-            key)
+    stepped = [decoder.apply(p, c, token[:, None],
+                             live.astype(jnp.int32)[:, None],
+                             position[:, None], cache)
+               for p, c, cache in zip(params, cfgs, caches)]
+    return (step + 1, tuple(c for _, c in stepped),
+            tuple(z[:, 0] for z, _ in stepped), position + 1, done, out, lps,
+            mask, key)
 
   state = jax.lax.while_loop(cond, body, state)
-  # The cache is returned so that its donated input buffers are reused in place.
+  # The caches are returned so that their donated input buffers are reused
+  # in place.
   return Rollout(state[5], state[6], state[7]), state[1]
 
 
 def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
-           key: jax.Array, sampling: SamplingConfig) -> Rollout:
+           key: jax.Array, sampling: SamplingConfig, guide=None) -> Rollout:
   """Sample up to ``max_new_tokens`` per left-padded prompt row.
 
   ``prompt``: [B, P] int32, ``prompt_mask``: [B, P] (1 on real tokens, which
@@ -146,15 +195,22 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
   (``parallel.activate``) the prompts are split over the batch axis, each
   host feeding its own rows, and the cache is sharded as ``init_cache``
   says; the result is then a global array (``parallel.to_host`` reads it).
+  ``guide = (teacher_params, teacher_cfg, delta)``: every token drawn from
+  ``trust_region_blend`` of this policy and the teacher's at ``delta``
+  instead (``logprobs`` are then the blend's: the behaviour policy's).
   """
   mesh = jax.sharding.get_mesh()
   if not mesh.empty:
     prompt, prompt_mask = parallel.shard_batch(mesh, (prompt, prompt_mask))
-  last_logits, cache, position = _prefill(
-      params, cfg, prompt, prompt_mask,
-      prompt.shape[1] + sampling.max_new_tokens)
-  rollout, _ = _decode(params, cfg, sampling, key, cache, last_logits,
-                       position)
+  models = [(params, cfg)] + ([guide[:2]] if guide else [])
+  filled = [_prefill(p, c, prompt, prompt_mask,
+                     prompt.shape[1] + sampling.max_new_tokens)
+            for p, c in models]
+  rollout, _ = _decode(tuple(p for p, _ in models),
+                       tuple(c for _, c in models), sampling, key,
+                       tuple(f[1] for f in filled),
+                       tuple(f[0] for f in filled), filled[0][2],
+                       jnp.float32(guide[2] if guide else 0.0))
   return rollout
 
 

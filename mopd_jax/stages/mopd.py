@@ -21,6 +21,7 @@ import numpy as np
 from mopd_jax import atomic, parallel, runs
 from mopd_jax import config as config_lib
 from mopd_jax.data import mixture
+from mopd_jax.data.domains import completion_budget
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.evaluation import headroom
 from mopd_jax.fusion import open_mopd, teachers
@@ -206,13 +207,46 @@ class MOPD:
         parallel.replicated(mesh))
     self.hidden_width = int(teacher_w.shape[1]) if wide else 0
     self.shared = (teacher_w,)
-    self.mesh = mesh
+    self.mesh, self.model_cfg = mesh, model_cfg
+    self.max_new_tokens = completion_budget(self.names,
+                                            config.sampling.max_new_tokens)
     if getattr(self.router, "needs_align", False):
       self.align_kl = make_align_kl(model_cfg, config.sampling.temperature,
                                     ops)
 
   def init_state(self) -> dict:
-    return {"gap": open_mopd.init_gap_state(len(self.names))}
+    state = {"gap": open_mopd.init_gap_state(len(self.names))}
+    if self.config.opd.curriculum_entropy > 0:  # checkpointed with it
+      state["budget"] = np.asarray(self.config.opd.curriculum_start,
+                                   np.int32)
+    return state
+
+  def trb_radius(self, step: int) -> float:
+    """``delta_t = trb_delta (1 - t / trb_steps)`` for ``t < trb_steps``,
+    then 0 (the student's own rollouts)."""
+    opd_cfg = self.config.opd
+    if step >= opd_cfg.trb_steps:
+      return 0.0
+    return opd_cfg.trb_delta * (1.0 - step / opd_cfg.trb_steps)
+
+  def behaviour(self, state, step: int):
+    """Teacher prefixes (each domain's expert samples its prompts), the
+    TRB warm-up (the blend of student and expert inside ``trb_radius``),
+    or the student; the curriculum's budget when it is on."""
+    opd_cfg = self.config.opd
+    budget = (int(state["budget"]) if opd_cfg.curriculum_entropy > 0
+              else 0)
+    delta = self.trb_radius(step)
+    if opd_cfg.prefix != "teacher" and delta <= 0:
+      return None, budget
+    student_cfg = self.model_cfg
+
+    def sample(params, prompt, prompt_mask, seq_ids, key, sampling):
+      return teachers.sample_routed(
+          teachers.Model(student_cfg, params), self.teachers,
+          self.router.route(seq_ids), prompt, prompt_mask, key, sampling,
+          None if opd_cfg.prefix == "teacher" else delta)
+    return sample, budget
 
   def gap_now(self, gap_state) -> np.ndarray:
     open_cfg = self.open_cfg
@@ -276,11 +310,22 @@ class MOPD:
     data["weight"] = loss_w[seq_ids].astype(np.float32)
     return {"gap": gap_state}, (signal[mask], token_domain, tokens, loss_w)
 
-  def metrics(self, state, new_state, ids, data, informative, notes):
+  def metrics(self, state, new_state, ids, data, informative, notes,
+              trained):
     """Per domain: loss share, signal, reverse KL, gap, loss weight; with a
     token router, the confusion matrix of its routing against the
-    oracle."""
+    oracle; the TRB radius; the curriculum's budget, which grows by
+    ``curriculum_growth`` (up to the full budget) while the student's mean
+    entropy on the update's tokens stays ``>= curriculum_entropy``."""
     signal, token_domain, tokens, loss_w = notes
+    opd_cfg = self.config.opd
+    updates = {}
+    if opd_cfg.curriculum_entropy > 0:
+      total, count = trained["entropy"]
+      budget = int(state["budget"])
+      if float(total) / max(float(count), 1.0) >= opd_cfg.curriculum_entropy:
+        budget = min(budget + opd_cfg.curriculum_growth, self.max_new_tokens)
+      updates["budget"] = np.asarray(budget, np.int32)
     effective = loss_w * tokens
     signal_sums = np.bincount(token_domain, weights=signal,
                               minlength=len(self.names))
@@ -296,7 +341,11 @@ class MOPD:
       pairs.update(teachers.confusion(data["teacher_id"], data["mask"],
                                       seq_ids, self.names,
                                       [t.domain for t in self.teachers]))
-    return {}, pairs
+    if opd_cfg.trb_delta > 0:
+      pairs["trb_delta"] = (self.trb_radius(int(state["step"])), 1.0)
+    if opd_cfg.curriculum_entropy > 0:
+      pairs["budget"] = (float(state["budget"]), 1.0)
+    return updates, pairs
 
 
 def check(config) -> None:

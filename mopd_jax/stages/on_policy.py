@@ -121,22 +121,31 @@ class Rollouts:
 
     self._logprobs = logprobs
 
-  def __call__(self, params, weights: np.ndarray, step: int):
+  def __call__(self, params, weights: np.ndarray, step: int,
+               behaviour=None, max_new_tokens: int = 0):
     """``(examples, domain ids, prompt, prompt_mask, rollout, rewards)``;
-    per-sequence arrays have the group's samples contiguous."""
+    per-sequence arrays have the group's samples contiguous. The student
+    (``params``) samples, or ``behaviour(params, prompt, prompt_mask,
+    seq_ids, key, sampling) -> Rollout`` (a method's off-policy sampler);
+    ``max_new_tokens`` (> 0) shortens the completion budget."""
     rl = self.config.rl
     examples, ids = draw_prompts(self.train_sets, weights,
                                  rl.prompts_per_step, self.config.seed, step)
     prompt, prompt_mask = batching.encode_prompts(
         [e.prompt for e in examples for _ in range(rl.group_size)],
         self.tokenizer, self.config.data.max_prompt_len, fit=True)
+    seq_ids = np.repeat(ids, rl.group_size)
+    sampling = (dataclasses.replace(self.sampling,
+                                    max_new_tokens=max_new_tokens)
+                if max_new_tokens else self.sampling)
+    key = jax.random.fold_in(self.key, step)
     with parallel.activate(self.mesh):
-      rollout = sampler.sample(params, self.model_cfg, prompt, prompt_mask,
-                               jax.random.fold_in(self.key, step),
-                               self.sampling)
+      rollout = (behaviour(params, prompt, prompt_mask, seq_ids, key,
+                           sampling) if behaviour else
+                 sampler.sample(params, self.model_cfg, prompt, prompt_mask,
+                                key, sampling))
       rollout = parallel.to_host(rollout)
     completion = rollout.completion
-    seq_ids = np.repeat(ids, rl.group_size)
     rewards = np.array([
         self.verifiers[d](self.tokenizer.decode(row),
                           examples[i // rl.group_size].answer)
@@ -150,13 +159,15 @@ class Rollouts:
           data[k] for k in ("prompt", "prompt_mask", "completion", "mask")])
       return parallel.to_host(self._logprobs(params, *batch))
 
-  def add_policy_inputs(self, data: dict, params, ref_params) -> None:
-    """``ref_logp`` under ``ref_params`` (if given); with ``rl.tis_cap``,
-    ``pi_old`` recomputed by the trainer, the sampler's own log-probs only
-    entering the truncated importance weight."""
+  def add_policy_inputs(self, data: dict, params, ref_params,
+                        off_policy: bool = False) -> None:
+    """``ref_logp`` under ``ref_params`` (if given); with ``rl.tis_cap``, or
+    when another policy sampled (``off_policy``), ``pi_old`` recomputed by
+    the trainer, the sampler's own log-probs kept as ``behaviour_logp``
+    (the truncated importance weight's)."""
     if ref_params is not None:
       data["ref_logp"] = self.logprobs(ref_params, data)
-    if self.config.rl.tis_cap > 0:
+    if self.config.rl.tis_cap > 0 or off_policy:
       data["behaviour_logp"] = data["old_logp"]
       data["old_logp"] = self.logprobs(params, data)
 
@@ -200,9 +211,17 @@ class Method(Protocol):
     per-sequence loss weight); returns its train-state updates and notes
     for ``metrics``."""
 
+  def behaviour(self, state, step: int) -> tuple[Callable | None, int]:
+    """Who samples this step and its completion budget: ``(None, 0)`` for
+    the student and the full budget; else a sampler for ``Rollouts`` and
+    ``max_new_tokens`` (MOPD: teacher prefixes, the TRB warm-up, the
+    length curriculum)."""
+
   def metrics(self, state, new_state, ids: np.ndarray, data: dict,
-              informative: np.ndarray, notes: Any) -> tuple[dict, dict]:
-    """``(train-state updates, {name: (sum, count)})`` after the update."""
+              informative: np.ndarray, notes: Any, trained: dict
+              ) -> tuple[dict, dict]:
+    """``(train-state updates, {name: (sum, count)})`` after the update
+    (``trained``: the update's own metrics, e.g. the policy's entropy)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,12 +239,14 @@ def step(ctx: Context, method: Method, state: dict, step: int):
   """One on-policy step (module docstring); returns ``(state, pairs)``."""
   rl = ctx.config.rl
   weights = method.proportions(state)
+  behaviour, budget = method.behaviour(state, step)
   _, ids, prompt, prompt_mask, rollout, rewards = ctx.rollouts(
-      state["params"], weights, step)
+      state["params"], weights, step, behaviour, budget)
   data, informative = rollout_batch(rollout, prompt, prompt_mask, rewards, rl)
   seq_ids = np.repeat(ids, rl.group_size)
   method.signal(state, data, seq_ids)
-  ctx.rollouts.add_policy_inputs(data, state["params"], ctx.ref_params)
+  ctx.rollouts.add_policy_inputs(data, state["params"], ctx.ref_params,
+                                 off_policy=behaviour is not None)
   updates, notes = method.weigh(state, data, seq_ids)
   train = dict(params=state["params"], opt_state=state["opt_state"])
   with parallel.activate(ctx.mesh):
@@ -236,7 +257,7 @@ def step(ctx: Context, method: Method, state: dict, step: int):
   new_state = dict(state, **train, step=state["step"] + 1, **updates)
   batch_metrics(pairs, method.names, seq_ids, data["mask"], rewards, weights)
   more_state, more = method.metrics(state, new_state, ids, data, informative,
-                                    notes)
+                                    notes, pairs)
   new_state.update(more_state)
   pairs.update(more)
   return new_state, pairs

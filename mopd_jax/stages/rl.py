@@ -63,7 +63,11 @@ class GRPO:
   def weigh(self, state, data, seq_ids):
     return {}, None
 
-  def metrics(self, state, new_state, ids, data, informative, notes):
+  def behaviour(self, state, step):
+    return None, 0  # the policy samples, the whole budget
+
+  def metrics(self, state, new_state, ids, data, informative, notes,
+              trained):
     """The mixture follows each group's mean |advantage|; advantage
     statistics."""
     rl = self.config.rl

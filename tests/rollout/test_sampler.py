@@ -141,3 +141,70 @@ def test_empty_rows_are_never_decoded_and_change_nothing(setup):
   for row, length in zip(comp, m.sum(1)):
     assert not set(row[:length - 1]) & {EOS, 7}  # stops at the first
     assert length == 16 or row[length - 1] in (EOS, 7)
+
+
+def _numpy_blend(lp_s, lp_t, delta):
+  """The largest beta on a grid of 2001 with KL(b_beta || pi) <= delta, and
+  log b_beta, per row, in numpy."""
+  betas = np.linspace(0.0, 1.0, 2001)
+  out = np.array(lp_s, np.float64)
+  chosen = np.zeros(lp_s.shape[0])
+  for r in range(lp_s.shape[0]):
+    best = 0.0
+    for beta in betas:
+      z = (1 - beta) * lp_s[r] + beta * lp_t[r]
+      lb = z - np.log(np.sum(np.exp(z - z.max()))) - z.max()
+      # (1e-7: float32 log-probs renormalised in float64 at beta = 0)
+      if np.sum(np.exp(lb) * (lb - lp_s[r])) <= delta + 1e-7:
+        best, out[r] = beta, lb
+    chosen[r] = best
+  return out, chosen
+
+
+def test_trust_region_blend_is_the_largest_mixture_inside_the_region():
+  rng = np.random.default_rng(0)
+  lp_s = np.asarray(jax.nn.log_softmax(rng.normal(size=(6, 30)) * 2, -1))
+  lp_t = np.asarray(jax.nn.log_softmax(rng.normal(size=(6, 30)) * 2, -1))
+  for delta in (0.0, 0.05, 0.3, 100.0):
+    got = np.asarray(sampler.trust_region_blend(lp_s, lp_t, delta))
+    want, beta = _numpy_blend(lp_s, lp_t, delta)
+    # bisection to 2^-20 against a grid of 1/2000: within a grid step
+    np.testing.assert_allclose(got, want, atol=2e-2)
+    kl = np.sum(np.exp(got) * (got - lp_s), -1)
+    assert np.all(kl <= delta + 1e-5), (delta, kl)
+    if delta == 0.0:
+      np.testing.assert_allclose(got, lp_s, atol=1e-5)
+    if delta == 100.0:  # the teacher itself is inside
+      np.testing.assert_allclose(got, lp_t, atol=1e-5)
+    if delta == 0.05:
+      assert 0 < beta.min() and beta.max() < 1
+
+
+def test_guided_sampling_draws_from_the_blend_of_both_full_forwards(setup):
+  """Sampling under a teacher's guide: each token's log-prob is the blend
+  of the student's and the teacher's policies at that prefix (from one
+  full forward pass of each); at delta 0 the tokens are the student's."""
+  params, prompt, mask = setup
+  teacher = decoder.init_params(CFG, jax.random.key(5))
+  teacher = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, teacher)
+  sampling = SETTINGS[0]
+  plain = sampler.sample(params, CFG, prompt, mask, jax.random.key(7),
+                         sampling)
+  same = sampler.sample(params, CFG, prompt, mask, jax.random.key(7),
+                        sampling, guide=(teacher, CFG, 0.0))
+  np.testing.assert_array_equal(plain.completion, same.completion)
+  out = sampler.sample(params, CFG, prompt, mask, jax.random.key(7),
+                       sampling, guide=(teacher, CFG, 0.2))
+  m = np.asarray(out.mask)
+  assert m.sum() > 0
+  assert not np.array_equal(np.asarray(out.completion), plain.completion)
+  lp = [np.asarray(jax.nn.log_softmax(sampler.completion_logits(
+      p, CFG, prompt, mask, out.completion, out.mask, sampling), -1))
+        for p in (params, teacher)]
+  blend = np.asarray(sampler.trust_region_blend(lp[0], lp[1], 0.2))
+  picked = np.take_along_axis(blend, np.asarray(out.completion)[..., None],
+                              -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(out.logprobs) * m, picked * m,
+                             atol=1e-4)
+  kl = np.sum(np.exp(blend) * (blend - lp[0]), -1)
+  assert np.all(kl[m > 0] <= 0.2 + 1e-4)

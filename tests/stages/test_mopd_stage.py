@@ -459,3 +459,86 @@ def test_cli_distils_from_the_delta_teacher(smoke_run, tmp_path, data_dir,
                      "--config.opd.proxy_teacher=True",
                      f"--config.data.data_dir={data_dir}")
   assert result.returncode == 2 and "opd.proxy_teacher" in result.stderr
+
+
+@pytest.mark.parametrize("extra", [
+    ("--config.opd.prefix=teacher", "--config.opd.kl_alpha=1.0",
+     "--config.opd.curriculum_entropy=0.01",
+     "--config.opd.curriculum_start=8", "--config.opd.curriculum_growth=8"),
+    ("--config.opd.trb_delta=0.5", "--config.opd.trb_steps=2",
+     "--config.opd.loss=pg", "--config.rl.tis_cap=2.0")])
+def test_cli_distils_on_teacher_prefixes_trb_and_a_curriculum(
+    smoke_run, tmp_path, data_dir, cached_env, extra):
+  """Forward KL on the experts' own samples with the entropy-gated length
+  curriculum (its budget grows while the student's entropy stays above
+  the gate, and is restored on resume), and the TRB warm-up (its radius
+  annealed to 0 by step 2); four steps, logged every two."""
+  base = smoke_run[0]
+  teachers = ",".join(f"{d}={base}" for d in ("add", "chain", "instruct",
+                                                "sort"))
+  run = tmp_path / "mopd"
+  args = (f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
+          f"--config.init={base}", f"--config.teachers={teachers}",
+          f"--config.data.data_dir={data_dir}", *extra)
+  result = train_cli(*args, env=cached_env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(l) for l in open(run / "metrics.jsonl")]
+  if "--config.opd.prefix=teacher" in extra:
+    # 8, 16, 24, 32 tokens at steps 0-3, logged as means over two steps
+    budgets = [r["budget"] for r in records if "budget" in r]
+    assert budgets == [12.0, 28.0], budgets
+    assert all(r["response_length"] <= r["budget"] for r in records
+               if "budget" in r)
+    summary = json.load(open(run / "summary.json"))
+    shutil.rmtree(run / "ckpt" / "4")
+    result = train_cli(*args, env=cached_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.load(open(run / "summary.json"))["params_sha256"] == (
+        summary["params_sha256"])
+  else:
+    # 0.5, 0.25, 0, 0 at steps 0-3, logged as means over two steps
+    radii = [r["trb_delta"] for r in records if "trb_delta" in r]
+    assert radii == [0.375, 0.0], radii
+  for bad, words in ((("--config.opd.prefix=teacher", "--config.opd.loss=pg"),
+                      "opd.prefix: teacher prefixes need a per-position"),
+                     (("--config.opd.trb_delta=0.5",), "opd.trb_steps")):
+    result = train_cli(f"--config={ROOT}/configs/mopd.py:smoke",
+                       f"--workdir={tmp_path / 'bad'}",
+                       f"--config.init={base}",
+                       f"--config.teachers={teachers}", *bad)
+    assert result.returncode == 2 and words in result.stderr, result.stderr
+
+
+def test_routed_sampling_gives_each_row_its_teachers_own_sample():
+  """``sample_routed``: with teacher prefixes, each row is what its
+  teacher samples for it (the teacher's key, its padded rows); under TRB
+  at radius 0, the student's own sample for the row."""
+  student, teachers = _models()
+  found = [teacher_lib.Teacher(d, "", teacher_lib.Model(*t), None)
+           for d, t in zip(("add", "sort"), teachers)]
+  prompt, mask = batching.encode_prompts(
+      ["add 1+2=", "sort ba:", "add 3+4=", "rev ab:", "add 5+5="], TOK, 12)
+  ids = np.array([0, 1, 0, 1, 0])
+  key = jax.random.key(4)
+  mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
+  with parallel.activate(mesh):
+    out = teacher_lib.sample_routed(teacher_lib.Model(*student), found, ids,
+                                    prompt, mask, key, SAMPLING, None)
+    same = teacher_lib.sample_routed(teacher_lib.Model(*student), found, ids,
+                                     prompt, mask, key, SAMPLING, 0.0)
+    for j, (cfg, params) in enumerate(teachers):
+      rows = np.flatnonzero(ids == j)
+      idx = teacher_lib.padded_rows(rows, mesh)
+      want = sampler.sample(params, cfg, np.asarray(prompt)[idx],
+                            np.asarray(mask)[idx], jax.random.fold_in(key, j),
+                            SAMPLING)
+      mine = sampler.sample(student[1], student[0], np.asarray(prompt)[idx],
+                            np.asarray(mask)[idx], jax.random.fold_in(key, j),
+                            SAMPLING)
+      for got, ref in ((out, want), (same, mine)):
+        np.testing.assert_array_equal(got.completion[rows],
+                                      np.asarray(ref.completion)[:rows.size])
+        np.testing.assert_allclose(got.logprobs[rows],
+                                   np.asarray(ref.logprobs)[:rows.size],
+                                   atol=1e-5)
+  assert not np.array_equal(out.completion, same.completion)

@@ -144,47 +144,46 @@ def test_a_seeded_study_on_the_smoke_studys_experts(study, data_dir,
 def test_the_beyond_variants_on_the_smoke_studys_experts(study, data_dir,
                                                         cached_env,
                                                         smoke_run):
-  """``:smoke_beyond``'s MOPD variants (the delta teacher and the three
-  label-free token routers) on the smoke study's base, experts, MOPD run
-  and evaluations (copied in: only the variants train): each run's
-  config, its cost counting every teacher it ran, the routing matrices
-  (each domain's tokens sum to 1) and the report's section on them."""
+  """``:smoke_beyond``'s steps, and two of its token routers (the one with
+  teacher entropies, the one with the student's distribution; the delta
+  teacher has its own CLI test, the rules their own) on the smoke study's
+  base, experts, MOPD run and evaluations (copied in: only the variants
+  train): each run's router, its cost counting every teacher it ran, the
+  routing matrices (each domain's tokens sum to 1) and the report's
+  section on them."""
   import shutil
   workdir = study[0].parent / "beyond"
   for name in ("mopd", "evaluations"):
     shutil.copytree(study[0] / name, workdir / name)
-  variants = ("mopd_delta", "mopd_entropy", "mopd_novelty", "mopd_align")
-  assert set(variants) < set(load_config("study", "smoke_beyond").steps)
+  assert {"mopd_delta", "mopd_entropy", "mopd_novelty", "mopd_align",
+          "mopd_from_merge"} < set(load_config("study", "smoke_beyond").steps)
   assert "mopd_from_merge" in load_config("study", "beyond").steps
+  routers = {"mopd_entropy": "entropy", "mopd_align": "expert_align"}
   result = train_cli(f"--config={ROOT}/configs/study.py:smoke_beyond",
                      f"--workdir={workdir}", f"--config.base={smoke_run[0]}",
                      f"--config.experts={study[0]}/expert_{{domain}}",
                      "--config.steps=('mopd',%s,'evaluate','report')"
-                     % ",".join(f"'{v}'" for v in variants),
+                     % ",".join(f"'{v}'" for v in routers),
                      f"--config.data_dir={data_dir}", env=cached_env,
                      timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "mopd finished before" in result.stdout
   results = json.loads((workdir / "results.json").read_text())
   methods, domains = results["methods"], results["domains"]
-  routers = {"mopd_entropy": "entropy", "mopd_novelty": "novelty",
-             "mopd_align": "expert_align", "mopd_delta": "delta"}
   for name, router in routers.items():
     config = json.loads((workdir / name / "config.json").read_text())
     assert config["opd"]["router"] == router
-    # every expert scored every token (delta: with the base; align: and
-    # the student): more FLOPs per sampled token than MOPD's one teacher
-    assert costs.teacher_models(config) == {"delta": 5, "expert_align": 5
-                                            }.get(router, 4)
+    # every expert scored every token (align: and the student): more
+    # FLOPs per sampled token than MOPD's one teacher
+    assert costs.teacher_models(config) == 4 + (router == "expert_align")
     per_token = {m: methods[m]["cost"]["flops"]
                  / methods[m]["cost"]["tokens_sampled"]
                  for m in ("mopd", name)}
     assert per_token[name] > per_token["mopd"]
-    routing = methods[name].get("routing")
-    assert (routing is None) == (router == "delta"), name
-    if routing:
-      for d in domains:
-        assert sum(routing[d].values()) == pytest.approx(1.0), (name, d)
+    for d in domains:
+      assert sum(methods[name]["routing"][d].values()) == pytest.approx(
+          1.0), (name, d)
+  assert "routing" not in methods["mopd"]
   text = (workdir / "report.md").read_text()
   assert "## Beyond plain MOPD" in text and "Routing of mopd_align" in text
 
