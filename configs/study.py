@@ -23,7 +23,10 @@ and paired differences between paradigms), ``:smoke_seeds`` (two seeds at
 smoke size), ``:beyond`` (the default study plus the MOPD variants:
 the delta teacher, the three label-free token routers, MOPD from the
 best merge; each reported against plain MOPD), ``:smoke_beyond`` (the
-same at smoke size). Any seeds: ``--config.seeds='(0,1,2,3)'``.
+same at smoke size), ``:variants`` (the default study plus the
+objectives of prefix source x KL direction, KL mixing, the entropy-gated
+length curriculum and the TRB warm-up), ``:smoke_variants``. Any seeds:
+``--config.seeds='(0,1,2,3)'``.
 """
 
 from mopd_jax.recipes import recipe

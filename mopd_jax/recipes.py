@@ -74,6 +74,15 @@ def _merge(config, variant: str) -> None:
                         sweep_prompts=8)
 
 
+# study variant -> the MOPD variants it adds (stages/study.py:MOPD_VARIANTS)
+STUDY_ADDITIONS = {
+    "beyond": ("mopd_delta", "mopd_entropy", "mopd_novelty", "mopd_align",
+               "mopd_from_merge"),
+    "variants": ("mopd_forward", "mopd_mixed", "mopd_teacher_reverse",
+                 "mopd_teacher_forward", "mopd_curriculum", "mopd_trb"),
+}
+
+
 def _study(config, variant: str) -> None:
   if variant.startswith("smoke"):
     config.variant = "smoke"
@@ -81,12 +90,11 @@ def _study(config, variant: str) -> None:
     for name in config.overrides:  # the smoke configs' own sizes
       config.overrides[name] = ()
     config.eval.update(num_prompts=8, samples=2, coverage_prompts=4)
-  if variant.endswith("beyond"):  # the MOPD variants beside plain MOPD
+  added = next((steps for name, steps in STUDY_ADDITIONS.items()
+                if variant.endswith(name)), ())
+  if added:  # MOPD variants beside plain MOPD, before the evaluations
     at = config.steps.index("evaluate")
-    config.steps = (config.steps[:at] + ("mopd_delta", "mopd_entropy",
-                                         "mopd_novelty", "mopd_align",
-                                         "mopd_from_merge")
-                    + config.steps[at:])
+    config.steps = config.steps[:at] + added + config.steps[at:]
   if variant == "seeds":
     config.update(seeds=(0, 1, 2), seed_processes=2)  # a 2-core CPU
   elif variant == "smoke_seeds":
@@ -104,7 +112,7 @@ RECIPES: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "mopd": (_mopd, ("open", "smoke", "hf")),
     "merge": (_merge, ("smoke", "hf")),
     "study": (_study, ("smoke", "hf", "seeds", "smoke_seeds", "beyond",
-                       "smoke_beyond")),
+                       "smoke_beyond", "variants", "smoke_variants")),
 }
 
 

@@ -49,6 +49,17 @@ MOPD_VARIANTS = {
     "mopd_novelty": lambda: {"opd.router": "novelty"},
     "mopd_align": lambda: {"opd.router": "expert_align"},
     "mopd_from_merge": dict,
+    # prefix source x KL direction (plain MOPD: student prefixes, reverse)
+    "mopd_forward": lambda: {"opd.kl_alpha": 1.0},
+    "mopd_mixed": lambda: {"opd.kl_alpha": 0.5},
+    "mopd_teacher_reverse": lambda: {"opd.prefix": "teacher"},
+    "mopd_teacher_forward": lambda: {"opd.prefix": "teacher",
+                                     "opd.kl_alpha": 1.0},
+    # the student's entropy starts near 0.2 nats on the built-in domains
+    "mopd_curriculum": lambda: {"opd.curriculum_entropy": 0.15,
+                                "opd.curriculum_start": 8,
+                                "opd.curriculum_growth": 4},
+    "mopd_trb": lambda: {"opd.trb_delta": 0.5, "opd.trb_steps": 25},
 }
 STEPS = ("base", "experts", "merge", "mix_rl", "mopd", *MOPD_VARIANTS,
          "evaluate", "report")
