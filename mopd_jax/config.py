@@ -259,6 +259,10 @@ def _on_policy(method: str) -> ml_collections.ConfigDict:
       entropy_coef=0.0,
       aggregation="token_mean",  # | seq_mean_token_mean | constant
       drop_equal_groups=False,
+      # 1: one-step-async rollouts, step t+1's sampled with step t's
+      # parameters on a device of their own while step t trains (needs
+      # tis_cap > 0 and two devices: mesh.cpu_devices=2 on a CPU); 0: off
+      max_policy_lag=0,
   ))
   return c
 
@@ -282,6 +286,7 @@ _ON_POLICY_CHECKS: Checks = (
     ("rl.entropy_coef", _non_negative, ">= 0"),
     ("rl.aggregation", lambda v: v in grpo.AGGREGATIONS,
      " or ".join(grpo.AGGREGATIONS)),
+    ("rl.max_policy_lag", lambda v: v in (0, 1), "0 (synchronous) or 1"),
 )
 
 
@@ -728,6 +733,10 @@ def _validate_rl(full) -> None:
   if batch % full.rl.minibatches:
     raise ConfigError(f"rl.minibatches: {full.rl.minibatches} does not divide"
                       f" the {batch} sequences of a step")
+  if full.rl.max_policy_lag and not full.rl.tis_cap:
+    raise ConfigError("rl.tis_cap: one-step-async rollouts are trained on"
+                      " with the truncated importance weight to the"
+                      " previous policy (> 0)")
   if full.sampling.top_k or full.sampling.top_p < 1:
     raise ConfigError("sampling.top_k: RL rollouts must sample the full"
                       " distribution (top_k=0, top_p=1)")
@@ -772,6 +781,11 @@ def _validate_mopd(full) -> None:
     raise ConfigError("rl.tis_cap: the TRB warm-up with opd.loss=pg needs"
                       " the truncated importance weight student/behaviour"
                       " (> 0)")
+  if full.rl.max_policy_lag and (off_policy
+                                 or opd_cfg.curriculum_entropy > 0):
+    raise ConfigError("rl.max_policy_lag: one-step-async rollouts are the"
+                      " student's own at the full budget (no teacher"
+                      " prefixes, TRB or curriculum)")
   if opd_cfg.curriculum_entropy > 0 and (
       opd_cfg.curriculum_start > full.sampling.max_new_tokens):
     raise ConfigError(f"opd.curriculum_start: {opd_cfg.curriculum_start}"

@@ -22,6 +22,7 @@ import numpy as np
 
 from mopd_jax import config as config_lib
 from mopd_jax import parallel, runs, training
+from mopd_jax.errors import ConfigError
 from mopd_jax.data import batching, splits
 from mopd_jax.data.domains import completion_budget, get_domain
 from mopd_jax.evaluation import evaluator
@@ -105,12 +106,16 @@ class Rollouts:
   them with the domains' verifiers; and policy log-probs of a batch under
   any parameters (reference model, ``pi_old`` for TIS)."""
 
-  def __init__(self, config, tokenizer, model_cfg, mesh, names, sampling):
+  def __init__(self, config, tokenizer, model_cfg, mesh, names, sampling,
+               sample_mesh=None):
     by_domain = splits.domain_splits(config, names, "train")
     self.train_sets = [by_domain[d] for d in names]
     self.verifiers = [get_domain(d).verify for d in names]
     self.config, self.tokenizer, self.model_cfg = config, tokenizer, model_cfg
     self.mesh, self.sampling = mesh, sampling
+    # where the policy samples: the training mesh, or (one-step-async
+    # rollouts) devices of its own, the parameters copied there
+    self.sample_mesh = sample_mesh or mesh
     self.key = jax.random.fold_in(jax.random.key(config.seed), 2)
 
     @jax.jit
@@ -121,36 +126,55 @@ class Rollouts:
 
     self._logprobs = logprobs
 
-  def __call__(self, params, weights: np.ndarray, step: int,
-               behaviour=None, max_new_tokens: int = 0):
-    """``(examples, domain ids, prompt, prompt_mask, rollout, rewards)``;
-    per-sequence arrays have the group's samples contiguous. The student
-    (``params``) samples, or ``behaviour(params, prompt, prompt_mask,
-    seq_ids, key, sampling) -> Rollout`` (a method's off-policy sampler);
-    ``max_new_tokens`` (> 0) shortens the completion budget."""
+  def draw(self, weights: np.ndarray, step: int):
+    """``(examples, domain ids, prompt, prompt_mask)`` of step ``step``;
+    the group's rows contiguous."""
     rl = self.config.rl
     examples, ids = draw_prompts(self.train_sets, weights,
                                  rl.prompts_per_step, self.config.seed, step)
     prompt, prompt_mask = batching.encode_prompts(
         [e.prompt for e in examples for _ in range(rl.group_size)],
         self.tokenizer, self.config.data.max_prompt_len, fit=True)
-    seq_ids = np.repeat(ids, rl.group_size)
+    return examples, ids, prompt, prompt_mask
+
+  def sample(self, params, prompt, prompt_mask, seq_ids, step: int,
+             behaviour=None, max_new_tokens: int = 0):
+    """The step's rollout as device arrays, dispatched and not waited for:
+    the student (``params``) samples, or ``behaviour(params, prompt,
+    prompt_mask, seq_ids, key, sampling) -> Rollout`` (a method's
+    off-policy sampler); ``max_new_tokens`` (> 0) shortens the budget."""
     sampling = (dataclasses.replace(self.sampling,
                                     max_new_tokens=max_new_tokens)
                 if max_new_tokens else self.sampling)
     key = jax.random.fold_in(self.key, step)
-    with parallel.activate(self.mesh):
-      rollout = (behaviour(params, prompt, prompt_mask, seq_ids, key,
-                           sampling) if behaviour else
-                 sampler.sample(params, self.model_cfg, prompt, prompt_mask,
-                                key, sampling))
-      rollout = parallel.to_host(rollout)
-    completion = rollout.completion
-    rewards = np.array([
+    if self.sample_mesh is not self.mesh:
+      params = jax.device_put(params, parallel.replicated(self.sample_mesh))
+    with parallel.activate(self.sample_mesh):
+      if behaviour:
+        return behaviour(params, prompt, prompt_mask, seq_ids, key, sampling)
+      return sampler.sample(params, self.model_cfg, prompt, prompt_mask, key,
+                            sampling)
+
+  def grade(self, examples, seq_ids: np.ndarray, completion) -> np.ndarray:
+    """[B] verifier rewards of the completions."""
+    group = self.config.rl.group_size
+    return np.array([
         self.verifiers[d](self.tokenizer.decode(row),
-                          examples[i // rl.group_size].answer)
+                          examples[i // group].answer)
         for i, (d, row) in enumerate(zip(seq_ids, completion))], np.float32)
-    return examples, ids, prompt, prompt_mask, rollout, rewards
+
+  def __call__(self, params, weights: np.ndarray, step: int,
+               behaviour=None, max_new_tokens: int = 0):
+    """``(examples, domain ids, prompt, prompt_mask, rollout, rewards)`` of
+    step ``step``, sampled now (``sample``'s arguments)."""
+    examples, ids, prompt, prompt_mask = self.draw(weights, step)
+    seq_ids = np.repeat(ids, self.config.rl.group_size)
+    with parallel.activate(self.sample_mesh):
+      rollout = parallel.to_host(self.sample(
+          params, prompt, prompt_mask, seq_ids, step, behaviour,
+          max_new_tokens))
+    return (examples, ids, prompt, prompt_mask, rollout,
+            self.grade(examples, seq_ids, rollout.completion))
 
   def logprobs(self, params, data: dict) -> np.ndarray:
     """[B, T] policy log-probs of ``data``'s completions under ``params``."""
@@ -235,18 +259,70 @@ class Context:
   ref_params: Any
 
 
+def init_pending(config, max_new_tokens: int, domains: int) -> dict:
+  """The train state's slot for the next step's rollout under one-step-
+  async sampling (``rl.max_policy_lag``): empty (``step`` -1) until the
+  first step fills it; checkpointed, so a resumed run trains on the same
+  in-flight batch."""
+  rows = config.rl.prompts_per_step * config.rl.group_size
+  return dict(completion=np.zeros((rows, max_new_tokens), np.int32),
+              logprobs=np.zeros((rows, max_new_tokens), np.float32),
+              mask=np.zeros((rows, max_new_tokens), np.int32),
+              weights=np.zeros(domains), step=np.asarray(-1, np.int32),
+              params_step=np.asarray(-1, np.int32))
+
+
+def _this_steps_rollouts(ctx: Context, state: dict, step: int, weights,
+                         behaviour, budget):
+  """``(examples, ids, prompt, prompt_mask, rollout, rewards, lagged,
+  next)``: this step's rollouts, sampled now or (one-step async) taken
+  from the state, where the previous step left them sampled with its
+  parameters; then, async, the next step's prompts drawn and their
+  sampling dispatched with this step's parameters (``next``: what
+  ``state["pending"]`` becomes once it is read back; None when
+  synchronous). Data staler than ``rl.max_policy_lag`` steps is refused
+  and sampled anew."""
+  rl, rollouts = ctx.config.rl, ctx.rollouts
+  if not rl.max_policy_lag:
+    return (*rollouts(state["params"], weights, step, behaviour, budget),
+            False, None)
+  pending = state["pending"]
+  lagged = (int(pending["step"]) == step
+            and step - int(pending["params_step"]) <= rl.max_policy_lag)
+  if lagged:
+    examples, ids, prompt, prompt_mask = rollouts.draw(pending["weights"],
+                                                       step)
+    rollout = sampler.Rollout(pending["completion"], pending["logprobs"],
+                              pending["mask"])
+    rewards = rollouts.grade(examples, np.repeat(ids, rl.group_size),
+                             rollout.completion)
+    drawn = (examples, ids, prompt, prompt_mask, rollout, rewards)
+  else:
+    drawn = rollouts(state["params"], weights, step)
+  _, next_ids, next_prompt, next_mask = rollouts.draw(weights, step + 1)
+  dispatched = rollouts.sample(state["params"], next_prompt, next_mask,
+                               np.repeat(next_ids, rl.group_size), step + 1)
+  return (*drawn, lagged, (dispatched, weights, step + 1, step))
+
+
 def step(ctx: Context, method: Method, state: dict, step: int):
-  """One on-policy step (module docstring); returns ``(state, pairs)``."""
+  """One on-policy step (module docstring); returns ``(state, pairs)``.
+  With ``rl.max_policy_lag = 1`` the rollouts of step t+1 are sampled with
+  step t's parameters while step t's update runs, on devices of their own
+  (``Rollouts.sample_mesh``), and are trained on with the truncated
+  importance weight ``min(pi_t(y) / pi_{t-1}(y), rl.tis_cap)``; the
+  proportions of step t+1's prompts are those of step t."""
   rl = ctx.config.rl
   weights = method.proportions(state)
   behaviour, budget = method.behaviour(state, step)
-  _, ids, prompt, prompt_mask, rollout, rewards = ctx.rollouts(
-      state["params"], weights, step, behaviour, budget)
+  (_, ids, prompt, prompt_mask, rollout, rewards, lagged,
+   upcoming) = _this_steps_rollouts(ctx, state, step, weights, behaviour,
+                                    budget)
   data, informative = rollout_batch(rollout, prompt, prompt_mask, rewards, rl)
   seq_ids = np.repeat(ids, rl.group_size)
   method.signal(state, data, seq_ids)
   ctx.rollouts.add_policy_inputs(data, state["params"], ctx.ref_params,
-                                 off_policy=behaviour is not None)
+                                 off_policy=behaviour is not None or lagged)
   updates, notes = method.weigh(state, data, seq_ids)
   train = dict(params=state["params"], opt_state=state["opt_state"])
   with parallel.activate(ctx.mesh):
@@ -255,12 +331,37 @@ def step(ctx: Context, method: Method, state: dict, step: int):
         np.random.default_rng([ctx.config.seed, step, 1]), ctx.mesh,
         method.shared)
   new_state = dict(state, **train, step=state["step"] + 1, **updates)
+  if upcoming is not None:
+    dispatched, used_weights, for_step, params_step = upcoming
+    host = parallel.to_host(dispatched)
+    new_state["pending"] = dict(
+        completion=np.asarray(host.completion),
+        logprobs=np.asarray(host.logprobs), mask=np.asarray(host.mask),
+        weights=np.asarray(used_weights, np.float64),
+        step=np.asarray(for_step, np.int32),
+        params_step=np.asarray(params_step, np.int32))
+    pairs["policy_lag"] = (float(lagged), 1.0)
   batch_metrics(pairs, method.names, seq_ids, data["mask"], rewards, weights)
   more_state, more = method.metrics(state, new_state, ids, data, informative,
                                     notes, pairs)
   new_state.update(more_state)
   pairs.update(more)
   return new_state, pairs
+
+
+def split_for_sampling(mesh, config):
+  """``(training mesh, sampling mesh)``: the same mesh, or for one-step-
+  async rollouts (``rl.max_policy_lag``) the last device for the sampler
+  and the others for training."""
+  if not config.rl.max_policy_lag:
+    return mesh, mesh
+  pool = list(mesh.devices.flat)
+  if len(pool) < 2:
+    raise ConfigError("rl.max_policy_lag: one-step-async rollouts sample on"
+                      " a device of their own; this mesh has one (on a CPU:"
+                      " --config.mesh.cpu_devices=2)")
+  return (parallel.make_mesh(data=-1, fsdp=1, tensor=1, devices=pool[:-1]),
+          parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=pool[-1:]))
 
 
 def domains(config) -> tuple[str, ...]:
@@ -280,6 +381,7 @@ def run(config, workdir: str, make_method, desc: str, on_final=None,
   eval_fn, workdir) -> (eval_fn, on_eval)`` ends the run by measurement
   (``expert_stop``). Returns the final state."""
   tokenizer, model_cfg, mesh = runs.setup(config)
+  mesh, sample_mesh = split_for_sampling(mesh, config)
   rl = config.rl
   batch = rl.prompts_per_step * rl.group_size
   runs.check_divisible(mesh, batch // rl.minibatches, "rl.minibatches")
@@ -292,13 +394,16 @@ def run(config, workdir: str, make_method, desc: str, on_final=None,
   params = runs.load_params(config.init, model_cfg, mesh)
   test_sets = splits.eval_sets(config, config.eval.domains)
   rollouts = Rollouts(config, tokenizer, model_cfg, mesh, method.names,
-                      sampling)
+                      sampling, sample_mesh)
   # A copy: the policy's own buffers are donated to every update.
   ref_params = jax.tree.map(jnp.copy, params) if needs_reference else None
   optimizer = training.make_optimizer(config.optim, config.train.steps)
   with parallel.activate(mesh):
     state = training.init_state(params, optimizer)
   state.update(method.init_state())
+  if rl.max_policy_lag:
+    state["pending"] = init_pending(config, sampling.max_new_tokens,
+                                    len(method.names))
   ctx = Context(config, mesh, rollouts, make_update(loss_fn, optimizer),
                 ref_params)
   eval_fn = evaluator.make_eval_fn(

@@ -91,3 +91,47 @@ def test_bench_real_model_and_real_data_smoke(tmp_path):
     assert figures[key]["ratio"] > 0, key
   assert figures["evaluate"]["prompts"] == 2  # test-split records only
   assert figures["sample_b2"]["first_call_s"] > 0
+
+
+def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
+                                                             data_dir,
+                                                             smoke_run):
+  """The benchmark's two runs, and its async one killed before its last
+  checkpoint and re-run: the in-flight batch was checkpointed with the
+  state, so it ends with the same parameters and metrics."""
+  import shutil
+  out = tmp_path / "bench"
+  result = _run("bench_async.py", "--steps=4", f"--out={out}",
+                f"--data_dir={data_dir}", f"--base={smoke_run[0]}",
+                "--variant=smoke", f"--json={tmp_path / 'async.json'}")
+  assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+  assert "ratio sync / async per step" in result.stdout.splitlines()[-1]
+  figures = json.loads((tmp_path / "async.json").read_text())
+  assert figures["lag_0"] > 0 and figures["lag_1"] > 0
+  run = out / "mopd_lag1"
+  records = [json.loads(l) for l in open(run / "metrics.jsonl")]
+  assert [r["policy_lag"] for r in records if "policy_lag" in r][-1] == 1.0
+  summary = json.loads((run / "summary.json").read_text())
+  assert summary["devices"] == 2  # one trains, one samples
+  config = json.loads((run / "config.json").read_text())
+  shutil.rmtree(run / "ckpt" / "4")
+  (run / "summary.json").unlink()
+  rerun = subprocess.run(
+      [sys.executable, "-m", "mopd_jax.train",
+       f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
+       f"--config.init={config['init']}",
+       f"--config.teachers={config['teachers']}",
+       "--config.rl.max_policy_lag=1", "--config.rl.tis_cap=2.0",
+       "--config.train.steps=4", "--config.train.log_every=1",
+       "--config.train.eval_every=0", "--config.eval.num_prompts=8",
+       "--config.checkpoint.every=2", "--config.mesh.cpu_devices=2",
+       f"--config.data.data_dir={data_dir}"],
+      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert "resuming from step 2" in rerun.stdout + rerun.stderr
+  assert json.loads((run / "summary.json").read_text())["params_sha256"] == (
+      summary["params_sha256"])
+  again = [json.loads(l) for l in open(run / "metrics.jsonl")]
+  for r in records + again:
+    r.pop("steps_per_sec", None)
+  assert again == records

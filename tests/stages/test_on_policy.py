@@ -14,8 +14,9 @@ from mopd_jax.stages import on_policy
 from mopd_jax.stages import rl as rl_stage
 
 
-def _context(config, make_method):
+def _context(config, make_method, meshes=None):
   tokenizer, model_cfg, mesh = runs.setup(config)
+  mesh, sample_mesh = meshes or (mesh, mesh)
   sampling = config_lib.sampling_config(config.sampling, tokenizer)
   method, loss, needs_ref = make_method(config, tokenizer, model_cfg, mesh,
                                         sampling)
@@ -24,8 +25,11 @@ def _context(config, make_method):
   with parallel.activate(mesh):
     state = training.init_state(params, optimizer)
   state.update(method.init_state())
+  if config.rl.max_policy_lag:
+    state["pending"] = on_policy.init_pending(
+        config, sampling.max_new_tokens, len(method.names))
   rollouts = on_policy.Rollouts(config, tokenizer, model_cfg, mesh,
-                                method.names, sampling)
+                                method.names, sampling, sample_mesh)
   ref = jax.tree.map(jnp.copy, params) if needs_ref else None
   return (on_policy.Context(config, mesh, rollouts,
                             on_policy.make_update(loss, optimizer), ref),
@@ -95,3 +99,33 @@ def test_a_run_from_init_keeps_its_own_execution_fields(smoke_run, data_dir):
   other.model.embed_dim = 64
   with pytest.raises(ConfigError, match="model.embed_dim: unknown field"):
     config_lib.validate(other)
+
+
+def test_one_step_async_trains_on_the_previous_steps_rollouts(smoke_run,
+                                                               data_dir):
+  """``rl.max_policy_lag=1``: step 0 samples its own rollouts and leaves
+  step 1's in the state, sampled on the sampler's device with step 0's
+  parameters (the very rollout that a synchronous sampling of step 1 with
+  them gives); step 1 trains on them (lagged) and leaves step 2's; a
+  one-device mesh is refused in one line."""
+  config = _config("mix_rl", smoke_run[0], data_dir,
+                   rl=dict(load_config("mix_rl", "smoke").rl,
+                           max_policy_lag=1, tis_cap=2.0))
+  meshes = on_policy.split_for_sampling(
+      parallel.make_mesh(devices=jax.devices()[:2]), config)
+  assert [m.devices.size for m in meshes] == [1, 1]
+  ctx, method, state = _context(config, rl_stage.make_method, meshes)
+  params_0 = jax.tree.map(jnp.copy, state["params"])
+  first, pairs = on_policy.step(ctx, method, state, 0)
+  assert pairs["policy_lag"] == (0.0, 1.0)
+  pending = first["pending"]
+  assert (int(pending["step"]), int(pending["params_step"])) == (1, 0)
+  want = ctx.rollouts(params_0, pending["weights"], 1)[4]
+  np.testing.assert_array_equal(pending["completion"], want.completion)
+  np.testing.assert_allclose(pending["logprobs"], want.logprobs, atol=1e-6)
+  second, pairs = on_policy.step(ctx, method, first, 1)
+  assert pairs["policy_lag"] == (1.0, 1.0)
+  assert int(second["pending"]["params_step"]) == 1
+  with pytest.raises(ConfigError, match="a device of their own"):
+    on_policy.split_for_sampling(parallel.make_mesh(
+        devices=jax.devices()[:1]), config)
