@@ -414,3 +414,15 @@ def test_mopd_from_merge_starts_from_the_best_validated_merge(tmp_path):
   config.merge_methods = ()
   with pytest.raises(ConfigError, match="merge_methods, which is empty"):
     stages.run(config_lib.validate(config), str(tmp_path / "w"))
+
+
+@pytest.mark.parametrize("variant", ["smoke_beyond", "smoke_variants",
+                                     "beyond", "variants"])
+def test_every_added_mopd_variant_is_a_valid_step(variant):
+  """Each step a study variant adds is a row of ``MOPD_VARIANTS`` whose
+  ``configs/mopd.py`` fields validate (the study's own check builds every
+  step's config before anything runs)."""
+  config = config_lib.validate(load_config("study", variant))
+  added = [s for s in config.steps if s.startswith("mopd_")]
+  assert len(added) >= 5 and set(added) <= set(study_stage.MOPD_VARIANTS)
+  study_stage.check(config)
