@@ -236,8 +236,9 @@ def test_bad_step_and_missing_base_are_one_line(tmp_path):
                      "--config.steps=('base','distil')")
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (
-      "error: steps: unknown step 'distil'; known: base, experts, merge,"
-      " mix_rl, mopd, open_mopd, mopd_from_merge, evaluate, report")
+      "error: steps: unknown step 'distil'; known: "
+      + ", ".join(study_stage.STEPS))
+  assert "mopd_trb" in study_stage.STEPS
   result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
                      f"--workdir={tmp_path / 'w'}",
                      f"--config.base={tmp_path / 'none'}")
