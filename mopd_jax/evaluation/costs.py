@@ -29,6 +29,20 @@ def teacher_models(config_json: dict) -> int:
   return per_teacher
 
 
+def off_policy_passes(config_json: dict, first: int, end: int) -> float:
+  """Forward passes per sampled token, summed over steps ``first..end-1``
+  (0-based), beyond sampling, scoring and training: the trainer's
+  recomputation of ``pi_old`` wherever another policy sampled (teacher
+  prefixes, the TRB warm-up, one-step-async rollouts) or ``rl.tis_cap``
+  is on, and the teacher's own decode pass during the TRB warm-up."""
+  opd, rl = config_json.get("opd", {}), config_json.get("rl", {})
+  trb = max(0, min(end, int(opd.get("trb_steps", 0))) - first) if opd.get(
+      "trb_delta", 0) > 0 else 0
+  recompute = (opd.get("prefix") == "teacher" or rl.get("tis_cap", 0) > 0
+               or rl.get("max_policy_lag", 0) > 0)
+  return (end - first if recompute else trb) + trb
+
+
 def run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
   """Sampled tokens (``rl.prompts_per_step x rl.group_size x`` the mean
   response length, per step), teacher-scored tokens (MOPD: the sampled
@@ -53,7 +67,9 @@ def run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
       tokens = (steps * config_json["rl"]["prompts_per_step"]
                 * config_json["rl"]["group_size"] * r["response_length"])
       length = config_json["data"]["max_prompt_len"] + r["response_length"]
-      passes = 1 + (teacher_models(config_json) if mopd else 0)
+      passes = (1 + (teacher_models(config_json) if mopd else 0)
+                + off_policy_passes(config_json, last - steps, last)
+                / max(steps, 1))
       epochs = config_json["rl"]["epochs"]
     elif "batch_size" in config_json.get("train", {}):  # pretraining rows
       length = (config_json["data"]["max_prompt_len"]

@@ -74,3 +74,17 @@ def test_the_delta_and_proxy_teachers_run_more_models_per_token(tmp_path):
     assert costs.teacher_models(dict(base, opd=opd)) == models
     cost = costs.run_cost(run, dict(base, opd=opd))
     assert cost["flops"] == pytest.approx(4 * ((1 + models) * fwd + train))
+
+
+def test_off_policy_sampling_counts_its_extra_passes():
+  """TRB's warm-up steps run the teacher's decode and the student's
+  recomputation of pi_old (2 passes a token), later steps none; teacher
+  prefixes and async rollouts recompute pi_old at every step."""
+  trb = dict(opd=dict(trb_delta=0.5, trb_steps=3), rl=dict(tis_cap=0.0))
+  assert costs.off_policy_passes(trb, 0, 2) == 4  # steps 0, 1
+  assert costs.off_policy_passes(trb, 2, 6) == 2  # step 2 only
+  assert costs.off_policy_passes(trb, 4, 6) == 0
+  assert costs.off_policy_passes(dict(opd=dict(prefix="teacher")), 0, 5) == 5
+  assert costs.off_policy_passes(dict(rl=dict(max_policy_lag=1,
+                                              tis_cap=2.0)), 3, 5) == 2
+  assert costs.off_policy_passes(dict(opd=dict(), rl=dict()), 0, 5) == 0
