@@ -145,16 +145,24 @@ class Study:
 
   def best_merge(self) -> str:
     """The run of the merge method with the highest mean greedy validation
-    accuracy (each merge's ``validation_greedy_mean``; the first of
-    equals)."""
+    accuracy (each merge's ``validation_greedy_mean``; a merge written
+    before it was recorded: the mean of its sweep's chosen point in
+    ``sweep.json``; the first of equals)."""
     scores = {}
     for m in self.config.merge_methods:
       run_dir = self.models()[f"merge/{m}"]
-      if runs.finished(run_dir):
-        score = json_files.read_object(os.path.join(
-            run_dir, SUMMARY_FILE)).get("validation_greedy_mean")
-        if score is not None:
-          scores[run_dir] = score
+      if not runs.finished(run_dir):
+        continue
+      score = json_files.read_object(os.path.join(
+          run_dir, SUMMARY_FILE)).get("validation_greedy_mean")
+      sweep = os.path.join(run_dir, "sweep.json")
+      if score is None and os.path.exists(sweep):
+        found = json_files.read_object(sweep)
+        score = next((g["mean"] for g in found.get("grid", ())
+                      if all(g.get(k) == v for k, v in
+                             found.get("best", {}).items())), None)
+      if score is not None:
+        scores[run_dir] = score
     if not scores:
       raise ConfigError("study: mopd_from_merge needs a finished merge with"
                         " a validation score (steps merge)")

@@ -401,6 +401,12 @@ def test_mopd_from_merge_starts_from_the_best_validated_merge(tmp_path):
     (run / "summary.json").write_text(json.dumps(
         {"validation_greedy_mean": score}))
   assert study.best_merge() == str(tmp_path / "merge_karcher")
+  # A merge written before the score was recorded: its sweep's chosen point
+  (tmp_path / "merge_linear" / "sweep.json").write_text(json.dumps(
+      {"best": {"lam": 1.0}, "grid": [{"lam": 0.5, "mean": 0.9},
+                                      {"lam": 1.0, "mean": 0.7}]}))
+  (tmp_path / "merge_linear" / "summary.json").write_text("{}")
+  assert study.best_merge() == str(tmp_path / "merge_linear")
   assert [t[1] for t in study_stage._tasks(study)][3] == (
       "MOPD from the best merge")
 
