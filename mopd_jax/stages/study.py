@@ -138,9 +138,11 @@ class Study:
                 for m in self.config.merge_methods})
     for name in ("mix_rl", "mopd", "open_mopd"):
       out[name] = os.path.join(self.workdir, name)
-    for name in MOPD_VARIANTS:  # the added ones, as selected
-      if name in self.config.steps:
-        out[name] = os.path.join(self.workdir, name)
+    for name in MOPD_VARIANTS:  # the added ones: selected, or run before
+      run_dir = os.path.join(self.workdir, name)
+      if name in self.config.steps or os.path.exists(
+          os.path.join(run_dir, "config.json")):
+        out[name] = run_dir
     return out
 
   def best_merge(self) -> str:

@@ -433,3 +433,15 @@ def test_every_added_mopd_variant_is_a_valid_step(variant):
   added = [s for s in config.steps if s.startswith("mopd_")]
   assert len(added) >= 5 and set(added) <= set(study_stage.MOPD_VARIANTS)
   study_stage.check(config)
+
+
+def test_a_report_rerun_keeps_the_mopd_variants_that_ran(tmp_path):
+  """``--config.steps="('report',)"`` after a ``:beyond`` study: a variant
+  whose run is in the workdir stays in the comparison; one never run is
+  not in it."""
+  config = config_lib.validate(load_config("study", "smoke"))
+  config.steps = ("report",)
+  (tmp_path / "mopd_delta").mkdir()
+  (tmp_path / "mopd_delta" / "config.json").write_text("{}")
+  models = study_stage.Study(config, str(tmp_path)).models()
+  assert "mopd_delta" in models and "mopd_trb" not in models
