@@ -1,10 +1,13 @@
 """MOPD: multi-teacher on-policy distillation, with the Open-MOPD fixes.
 
 One step: draw prompts of every training domain, let the student sample
-``rl.group_size`` completions each (temperature 1 by default), route every
-sample to its domain's teacher, which scores the sampled tokens (one teacher
-and only its samples at a time), then take ``rl.epochs x rl.minibatches``
-optimiser steps on the distillation loss (``opd.loss``). Open-MOPD, each
+``rl.group_size`` completions each (temperature 1 by default; or each
+domain's expert, ``opd.prefix=teacher``; or their trust-region blend in
+the TRB warm-up), route every sample to its domain's teacher, which scores
+the sampled tokens (one teacher and only its samples at a time; a
+label-free token router has every teacher score every token and picks one
+per token), then take ``rl.epochs x rl.minibatches`` optimiser steps on
+the distillation loss (``opd.loss``). Open-MOPD, each
 switchable: per-domain loss weights from token-share balancing and from the
 gap-aware budget (which can also steer the prompt proportions), and the
 student reward refresh (``a_t`` under the current student at every update).
