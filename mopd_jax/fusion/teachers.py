@@ -130,6 +130,7 @@ class Router(Protocol):
   every teacher's scores of every token) to one teacher."""
 
   per_token: bool
+  needs_align: bool  # reads ``align_kl``, the student's KL to each teacher
 
   def route(self, domain_ids: np.ndarray) -> np.ndarray:
     """[B] teacher indices from [B] domain indices (a token router has
@@ -139,7 +140,7 @@ class Router(Protocol):
 class OracleRouter:
   """Each sample is scored by the teacher of its own domain."""
 
-  per_token = False
+  per_token = needs_align = False
 
   def __init__(self, domains, teachers: list[Teacher]):
     index = {t.domain: j for j, t in enumerate(teachers)}
@@ -152,7 +153,7 @@ class OracleRouter:
 class DeltaRouter:
   """Every sample is scored by the one delta teacher (``delta_models``)."""
 
-  per_token = False
+  per_token = needs_align = False
 
   def __init__(self, domains, teachers: list[Teacher]):
     del domains, teachers
@@ -192,13 +193,14 @@ class TokenRouter:
     self.choose, self.needs_align = rule, needs_align
 
 
-ROUTERS = {
-    "oracle": OracleRouter, "delta": DeltaRouter,
-    "entropy": lambda domains, teachers: TokenRouter(lowest_entropy),
-    "novelty": lambda domains, teachers: TokenRouter(highest_novelty),
-    "expert_align": lambda domains, teachers: TokenRouter(
-        closest_to_student, needs_align=True)}
-TOKEN_ROUTERS = ("entropy", "novelty", "expert_align")
+# a token router's name -> (its rule, whether it reads ``align_kl``)
+TOKEN_RULES = {"entropy": (lowest_entropy, False),
+               "novelty": (highest_novelty, False),
+               "expert_align": (closest_to_student, True)}
+TOKEN_ROUTERS = tuple(TOKEN_RULES)
+ROUTERS = {"oracle": OracleRouter, "delta": DeltaRouter,
+           **{name: (lambda domains, teachers, r=rule: TokenRouter(*r))
+              for name, rule in TOKEN_RULES.items()}}
 
 
 def pick(every: dict, choice: np.ndarray) -> dict:
@@ -318,6 +320,7 @@ def sample_routed(student: Model, teachers: list[Teacher],
                         np.zeros((batch, n), np.float32),
                         np.zeros((batch, n), np.int32))
   mesh = jax.sharding.get_mesh()
+  pending = []
   for j, teacher in enumerate(teachers):
     rows = np.flatnonzero(teacher_ids == j)
     if not rows.size:
@@ -326,12 +329,51 @@ def sample_routed(student: Model, teachers: list[Teacher],
     model = teacher.model
     args = (prompt[idx], prompt_mask[idx], jax.random.fold_in(key, j),
             sampling)
-    rollout = parallel.to_host(
-        sampler.sample(model.params, model.cfg, *args) if delta is None
-        else sampler.sample(student.params, student.cfg, *args,
-                            guide=(model.params, model.cfg, delta)))
-    for whole, part in zip(out, rollout):
+    # dispatched, not waited for, as in ``score``
+    pending.append((rows, sampler.sample(model.params, model.cfg, *args)
+                    if delta is None else
+                    sampler.sample(student.params, student.cfg, *args,
+                                   guide=(model.params, model.cfg, delta))))
+  for rows, rollout in pending:
+    for whole, part in zip(out, parallel.to_host(rollout)):
       whole[rows] = np.asarray(part)[:rows.size]
+  return out
+
+
+def _scores(scorers, params, rows_per_teacher, arrays: dict, mesh,
+            hidden_width: int, stacked: bool) -> dict:
+  """Teacher ``j`` scores the rows ``rows_per_teacher[j]`` (padded,
+  ``padded_rows``); every teacher's pass is dispatched before the first
+  result is moved to host. Returns float32 [B, T] arrays, each row its own
+  teacher's (``stacked``: [J, B, T], teacher ``j``'s at ``[j]``), and
+  ``teacher_hidden`` with a last axis of ``hidden_width``, zero-padded."""
+  batch, width = arrays["completion"].shape
+  pending = []
+  for j, (scorer, p, rows) in enumerate(zip(scorers, params,
+                                            rows_per_teacher)):
+    if not rows.size:
+      continue
+    idx = padded_rows(rows, mesh)
+    with parallel.activate(mesh):
+      batch_in = parallel.shard_batch(
+          mesh, {k: arrays[k][idx] for k in ("prompt", "prompt_mask",
+                                             "completion", "mask")})
+      # Dispatched, not waited for: the next teacher's batch is prepared
+      # while this one scores.
+      pending.append((j, rows, scorer(p, **batch_in)))
+  lead = (len(scorers),) if stacked else ()
+  out: dict = {}
+  for j, rows, result in pending:
+    at = (j, rows) if stacked else (rows,)
+    for key, value in parallel.to_host(result).items():
+      value = np.asarray(value)[:rows.size]
+      if key not in out:
+        tail = (hidden_width,) if value.ndim == 3 else ()
+        out[key] = np.zeros(lead + (batch, width) + tail, np.float32)
+      if value.ndim == 3:
+        out[key][at + (slice(None), slice(0, value.shape[-1]))] = value
+      else:
+        out[key][at] = value
   return out
 
 
@@ -343,29 +385,17 @@ def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
   compile); every teacher's pass is dispatched before the first result is
   moved to host. Returns [B, T] arrays (and
   ``teacher_hidden`` [B, T, hidden_width], zero-padded in the last axis)."""
-  batch, width = arrays["completion"].shape
-  pending = []
-  for j, (scorer, p) in enumerate(zip(scorers, params)):
-    rows = np.flatnonzero(teacher_ids == j)
-    if not rows.size:
-      continue
-    idx = padded_rows(rows, mesh)
-    with parallel.activate(mesh):
-      batch_in = parallel.shard_batch(
-          mesh, {k: arrays[k][idx] for k in ("prompt", "prompt_mask",
-                                             "completion", "mask")})
-      # Dispatched, not waited for: the next teacher's batch is prepared
-      # while this one scores.
-      pending.append((rows, scorer(p, **batch_in)))
-  out: dict = {}
-  for rows, result in pending:
-    for key, value in parallel.to_host(result).items():
-      value = np.asarray(value)[:rows.size]
-      if key not in out:
-        tail = (hidden_width,) if value.ndim == 3 else ()
-        out[key] = np.zeros((batch, width) + tail, np.float32)
-      if value.ndim == 3:
-        out[key][rows, :, :value.shape[-1]] = value
-      else:
-        out[key][rows] = value
-  return out
+  return _scores(scorers, params,
+                 [np.flatnonzero(teacher_ids == j)
+                  for j in range(len(scorers))],
+                 arrays, mesh, hidden_width, stacked=False)
+
+
+def score_every(scorers, params, arrays: dict, mesh, hidden_width: int = 0
+                ) -> dict:
+  """Every teacher scores every row (a token router's input): [J, B, T]
+  arrays (and ``teacher_hidden`` [J, B, T, hidden_width]), every pass
+  dispatched before the first is read."""
+  rows = np.arange(len(arrays["completion"]))
+  return _scores(scorers, params, [rows] * len(scorers), arrays, mesh,
+                 hidden_width, stacked=True)

@@ -190,8 +190,7 @@ class MOPD:
         config.init, model_cfg, self.teacher_mesh)) if opd_cfg.proxy_teacher
                     else None)
     # expert_align compares every teacher's distribution with the student's
-    wide = full_vocabulary(opd_cfg) or getattr(self.router, "needs_align",
-                                               False)
+    wide = full_vocabulary(opd_cfg) or self.router.needs_align
     ops = config_lib.op_options(config)
     self.scorers, self.teacher_params, teacher_cfgs = [], [], []
     composed = ([teachers.delta_models(self.teachers, opd_cfg.delta_scale)]
@@ -213,7 +212,7 @@ class MOPD:
     self.mesh, self.model_cfg = mesh, model_cfg
     self.max_new_tokens = completion_budget(self.names,
                                             config.sampling.max_new_tokens)
-    if getattr(self.router, "needs_align", False):
+    if self.router.needs_align:
       self.align_kl = make_align_kl(model_cfg, config.sampling.temperature,
                                     ops)
 
@@ -278,10 +277,8 @@ class MOPD:
       data["teacher_id"] = np.broadcast_to(
           teacher_ids.astype(np.int32)[:, None], mask.shape).copy()
       return
-    every = [teachers.score([scorer], [p], np.zeros(len(mask), np.int32),
-                            data, self.teacher_mesh, self.hidden_width)
-             for scorer, p in zip(self.scorers, self.teacher_params)]
-    every = {k: np.stack([e[k] for e in every]) for k in every[0]}
+    every = teachers.score_every(self.scorers, self.teacher_params, data,
+                                 self.teacher_mesh, self.hidden_width)
     if self.router.needs_align:
       with parallel.activate(self.mesh):
         batch = parallel.shard_batch(self.mesh, {

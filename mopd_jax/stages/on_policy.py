@@ -169,10 +169,9 @@ class Rollouts:
     step ``step``, sampled now (``sample``'s arguments)."""
     examples, ids, prompt, prompt_mask = self.draw(weights, step)
     seq_ids = np.repeat(ids, self.config.rl.group_size)
-    with parallel.activate(self.sample_mesh):
-      rollout = parallel.to_host(self.sample(
-          params, prompt, prompt_mask, seq_ids, step, behaviour,
-          max_new_tokens))
+    rollout = parallel.to_host(self.sample(
+        params, prompt, prompt_mask, seq_ids, step, behaviour,
+        max_new_tokens))
     return (examples, ids, prompt, prompt_mask, rollout,
             self.grade(examples, seq_ids, rollout.completion))
 
