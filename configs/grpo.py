@@ -8,10 +8,10 @@ where its domain's greedy validation accuracy has gained ``stop.gain`` =
 20 points over the base, within ``train.steps`` = 300 (``stop.gain=0``: a
 fixed step count). Every field and its default lives in
 ``mopd_jax/config.py``. Variants: ``:smoke`` (seconds, for tests),
-``:hf`` (a Hugging Face checkpoint on accelerators: ``config.for_real_models``).
+``:hf`` (a Hugging Face checkpoint on accelerators: ``mopd_jax.config.for_real_models``).
 """
 
-from mopd_jax.recipes import recipe
+from mopd_jax.stages import recipe
 
 
 def get_config(variant: str = ""):

@@ -12,10 +12,10 @@ mergekit's parameters (``lambda``, ``density``, ``gamma``, ``t``,
 ``weights``, ``normalize``); ``merge.overrides`` sets them per parameter
 by name pattern. ``merge.sweep`` chooses ``lambda`` (and ``density``) on
 the validation split. Variants: ``:smoke`` (seconds, for tests),
-``:hf`` (a Hugging Face checkpoint on accelerators: ``config.for_real_models``).
+``:hf`` (a Hugging Face checkpoint on accelerators: ``mopd_jax.config.for_real_models``).
 """
 
-from mopd_jax.recipes import recipe
+from mopd_jax.stages import recipe
 
 
 def get_config(variant: str = ""):

@@ -7,10 +7,10 @@
 Batches are drawn by ``data.weights`` (uniform by default); with
 ``mixture.adaptive`` the proportions follow an upper-confidence bound on each
 domain's mean |advantage|, floored at ``mixture.floor``. Variants: ``:smoke``,
-``:hf`` (a Hugging Face checkpoint on accelerators: ``config.for_real_models``).
+``:hf`` (a Hugging Face checkpoint on accelerators: ``mopd_jax.config.for_real_models``).
 """
 
-from mopd_jax.recipes import recipe
+from mopd_jax.stages import recipe
 
 
 def get_config(variant: str = ""):

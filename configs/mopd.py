@@ -10,10 +10,10 @@ Open-MOPD mechanisms are switched on in ``open_mopd`` (``token_share``,
 with the tempered balancing and per-sequence gap that measured better
 together than the exact ones: see README, Open-MOPD ablation), ``:smoke``
 (seconds, for tests), ``:hf`` (a Hugging Face checkpoint on accelerators:
-``config.for_real_models``).
+``mopd_jax.config.for_real_models``).
 """
 
-from mopd_jax.recipes import recipe
+from mopd_jax.stages import recipe
 
 
 def get_config(variant: str = ""):

@@ -5,7 +5,7 @@ Every field and its default lives in ``mopd_jax/config.py``; this file sets
 what the base run changes. Variants: ``:smoke`` (seconds, for tests).
 """
 
-from mopd_jax.recipes import recipe
+from mopd_jax.stages import recipe
 
 
 def get_config(variant: str = ""):

@@ -29,7 +29,7 @@ length curriculum and the TRB warm-up), ``:smoke_variants``. Any seeds:
 ``--config.seeds='(0,1,2,3)'``.
 """
 
-from mopd_jax.recipes import recipe
+from mopd_jax.stages import recipe
 
 
 def get_config(variant: str = ""):

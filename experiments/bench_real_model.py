@@ -196,7 +196,7 @@ def test_prompts_file(eval_file: str, out_dir: str, n: int) -> str:
   """The first ``n`` records of ``eval_file`` that fall in the test split
   (a record's split is the hash of its prompt), as a file of their own:
   ``evaluate`` grades exactly these, and the loop runs them too."""
-  from mopd_jax.data.domains import split_of
+  from mopd_jax.data.example import split_of
   kept = []
   for line in open(eval_file, encoding="utf-8"):
     if split_of(json.loads(line)["question"]) == "test" and len(kept) < n:

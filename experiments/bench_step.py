@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mopd_jax import config as config_lib
+from mopd_jax import stages
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ATTENTION_IMPLS, PRESETS, ModelConfig
 from mopd_jax.objectives.sft import sft_loss
@@ -55,7 +55,7 @@ def bench_train(cfg: ModelConfig, rows: int, length: int, peak: float,
   of ``decoder.matmul``, the same forward) over its time as it is, the
   calls interleaved."""
   # The base model's optimiser section itself, so that it cannot drift.
-  optimizer = make_optimizer(config_lib.defaults("pretrain").optim, 1000)
+  optimizer = make_optimizer(stages.defaults("pretrain").optim, 1000)
   state = init_state(decoder.init_params(cfg, jax.random.key(0)), optimizer)
   rng = np.random.default_rng(0)
   batch = dict(tokens=rng.integers(3, cfg.vocab_size, (rows, length),

@@ -40,7 +40,7 @@ from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.errors import UserError, fail
 from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import figures, headroom
-from mopd_jax.fusion.teachers import parse_teachers
+from mopd_jax.runs import runs_by_domain
 from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
                              write_text_atomic)
 
@@ -183,7 +183,7 @@ def ablation(args, extra, variants: list[str], seeds: list[int]) -> None:
   """Trains every variant and seed, evaluates them, and writes the table,
   the JSON and the chart into ``args.out``."""
   domains = TRAIN_DOMAINS
-  dirs = parse_teachers(args.teachers, domains)
+  dirs = runs_by_domain(args.teachers, domains)
   runs = [(v, s) for v in variants for s in seeds]
   workdirs = train_all(runs, args, extra)
   eval_file = headroom.EVAL_FILE

@@ -6,8 +6,10 @@ stderr unless ``--verbosity`` asks for it."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import runpy
 import signal
 import sys
 from typing import Callable
@@ -33,26 +35,62 @@ def config_value(holder, flag: str):
 
 def flag_error(error: Exception, argv) -> str:
   """One line for an exception raised while parsing flags and config
-  overrides."""
-  text = str(error)
-  if "attribute 'get_config'" in text:
+  overrides. The config file and the overrides are checked here, in the
+  order the library applies them (``config_problem``), so the line names
+  the field or file at fault without reading the library's message; any
+  other error (a value that does not parse) is its message on one line."""
+  return config_problem(argv) or " ".join(str(error).split()) or type(
+      error).__name__
+
+
+def config_problem(argv) -> str | None:
+  """What is wrong with ``--config=FILE[:variant]`` and its
+  ``--config.<path>=`` overrides, or None: the file defines no
+  ``get_config``, its ``get_config`` raised, or an override names a field
+  the config does not have (the first missing part of its path, with the
+  closest existing name)."""
+  spec = next((a.split("=", 1)[1] for a in reversed(argv)
+               if a.startswith("--config=")), None)
+  if spec is None:
+    return None
+  path, _, variant = spec.partition(":")
+  try:
+    module = runpy.run_path(os.path.expanduser(path))
+  except Exception:  # pylint: disable=broad-except
+    return None  # the library's own message names the file
+  if "get_config" not in module:
     return ("--config: the config file defines no get_config(variant)"
             " function")
-  if isinstance(error, (AttributeError, KeyError)):  # unknown config field
-    field = re.search(r"[A-Za-z_][A-Za-z0-9_]*", text)
-    field = field.group() if field else "?"
-    path = next((a.split("=", 1)[0][len("--config."):] for a in argv
-                 if a.startswith("--config.") and a.split("=", 1)[0].endswith(
-                     "." + field)), field)
-    hint = re.search(r'Did you mean "([^"]+)"', text)
-    return f"{path}: unknown field" + (
-        f" (did you mean {hint.group(1)!r}?)" if hint else "")
-  if "Traceback (most recent call last)" in text:
-    # A config file's get_config raised: its message, without the trace.
-    head = text.split(": Error whilst parsing config file", 1)[0]
-    last = [l.strip() for l in text.splitlines() if l.strip()][-1]
-    return f"{head}: {last}"
-  return " ".join(text.split()) or type(error).__name__
+  try:
+    config = (module["get_config"](variant) if variant
+              else module["get_config"]())
+  except Exception as e:  # pylint: disable=broad-except
+    return f"flag --config={spec}: {type(e).__name__}: {e}"
+  for arg in argv:
+    if arg.startswith("--config."):
+      field = arg[len("--config."):].split("=", 1)[0]
+      missing = _missing_part(config, field)
+      if missing:
+        return missing
+  return None
+
+
+def _missing_part(config, dotted: str) -> str | None:
+  """``"<path>: unknown field (did you mean ...?)"`` for the first part of
+  ``dotted`` that ``config`` lacks (or the value ``dotted`` looks
+  inside), else None."""
+  node, walked = config, []
+  for part in dotted.split("."):
+    if not hasattr(node, "keys"):
+      return f"{'.'.join(walked)}: a value, not a section (in {dotted})"
+    if part not in node:
+      close = difflib.get_close_matches(part, list(node.keys()), n=1)
+      where = ".".join(walked + [part])
+      hint = (f" (did you mean {'.'.join(walked + close)!r}?)" if close
+              else "")
+      return f"{where}: unknown field{hint}"
+    node, walked = node[part], walked + [part]
+  return None
 
 
 def _split_dotted_paths() -> None:

@@ -28,13 +28,14 @@ import jax
 from absl import flags
 from ml_collections import config_flags
 
-from mopd_jax import config as config_lib
-from mopd_jax import checkpointing, cli, convert, parallel, runs, training
+from mopd_jax import (checkpointing, cli, convert, parallel, runs, stages,
+                      training)
 from mopd_jax.data import splits
 from mopd_jax.data.domains import DOMAINS
 from mopd_jax.errors import ConfigError, UserError
 from mopd_jax.evaluation import evaluator, pass_at_k
 from mopd_jax.models import tokenizer as tokenizer_lib
+from mopd_jax.rollout.sampler import SamplingConfig
 
 
 
@@ -59,7 +60,7 @@ def run_settings(run_dir: str, settings=None):
   given, its execution fields (a study evaluates every model in one
   precision)."""
   config = runs.load_run_config(run_dir)
-  fill = settings or config_lib.defaults("mix_rl")
+  fill = settings or stages.defaults("mix_rl")
   for key in SECTIONS:
     if key not in config:
       config[key] = copy.deepcopy(fill[key])
@@ -134,7 +135,7 @@ def _check_writable(path: str, flag: str) -> None:
 def _coverage(config, params, model_cfg, tokenizer, test, mesh, samples):
   """``{samples, counts: {domain: [c_i]}}`` (correct samples per prompt),
   printing each domain's pass@k."""
-  sampling = config_lib.sampling_config(config.sampling, tokenizer,
+  sampling = SamplingConfig.of(config.sampling, tokenizer,
                                         temperature=config.eval.temperature)
   with parallel.activate(mesh):
     counts = pass_at_k.correct_counts(
@@ -187,9 +188,9 @@ def main() -> None:
   if settings is not None:
     if "init" in settings:  # the run evaluated is the one it starts from
       settings.init = f.run
-    settings = config_lib.validate(settings)
+    settings = stages.validate(settings)
   # Before anything touches a device, as in train.
-  mesh = (settings or config_lib.defaults("mix_rl")).mesh if (
+  mesh = (settings or stages.defaults("mix_rl")).mesh if (
       hf_checkpoint) else run_settings(f.run, settings).mesh
   parallel.use_cpu_devices(mesh.get("cpu_devices", 1))
   with convert.as_run(f.run) as run_dir:

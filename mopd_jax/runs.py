@@ -20,6 +20,7 @@ import ml_collections
 
 from mopd_jax import checkpointing, checksum, json_files, parallel
 from mopd_jax.atomic import write_json_atomic
+from mopd_jax.data import files
 from mopd_jax.training import SUMMARY_FILE
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
@@ -224,7 +225,7 @@ def setup(config, tokenizer=None):
   """``(tokenizer, model_cfg, mesh)`` for ``config``, checked together; the
   tokenizer is ``config``'s (its init run's) unless given."""
   tokenizer = tokenizer or tokenizer_lib.for_config(config)
-  model_cfg = ModelConfig(**config.model.to_dict())
+  model_cfg = ModelConfig.of(config.model)
   if not tokenizer.fits(model_cfg.vocab_size):
     raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size} does not"
                       f" fit the tokenizer's {tokenizer.vocab_size} ids")
@@ -301,7 +302,7 @@ def final_model(run_dir: str, mesh=None):
   """``(model_cfg, params)``: a run's architecture and final parameters,
   sharded over ``mesh`` (one device when None: the tools that read a run
   outside training)."""
-  cfg = ModelConfig(**load_run_config(run_dir).model.to_dict())
+  cfg = ModelConfig.of(load_run_config(run_dir).model)
   mesh = mesh or parallel.make_mesh(data=1, fsdp=1, tensor=1,
                                     devices=jax.devices()[:1])
   return cfg, load_params(run_dir, cfg, mesh)
@@ -394,3 +395,46 @@ def write_eval(workdir: str, step: int):
     write_json_atomic(os.path.join(workdir, EVAL_FILE),
                                {"step": step, **scalars})
   return write
+
+
+def runs_by_domain(spec: str, domains, field: str = "teachers"
+                   ) -> dict[str, str]:
+  """``{domain: run directory}`` from ``teachers`` (or Merge's ``experts``,
+  named by ``field``): a template with ``{domain}``
+  (``runs/expert_{domain}``; a file domain fills in ``files.label``'s
+  ``<kind>_<file stem>``) or ``domain=dir`` pairs separated by commas.
+  Every domain needs a run (oracle routing, one task vector each)."""
+  if "{domain}" in spec:
+    dirs = {d: spec.replace("{domain}", files.label(d)) for d in domains}
+  else:
+    dirs = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+      domain, sep, path = item.partition("=")
+      if not sep or not path:
+        raise ConfigError(f"{field}: {item!r} is not domain=run_dir (or use"
+                          " a template with {domain})")
+      dirs[domain.strip()] = path.strip()
+  for d in domains:
+    if d not in dirs:
+      raise ConfigError(f"{field}: no run for domain {d!r}")
+  unknown = sorted(set(dirs) - set(domains))
+  if unknown:
+    raise ConfigError(f"{field}: {unknown[0]!r} is not one of the domains"
+                      f" {', '.join(domains)}")
+  return {d: dirs[d] for d in domains}
+
+
+def is_run_list(spec: str) -> bool:
+  """Whether Merge's ``experts`` is a plain comma-separated list of runs
+  (no ``{domain}`` template, no ``domain=dir`` pairs): a merge of runs
+  that need no data."""
+  return "{domain}" not in spec and "=" not in spec and bool(spec.strip())
+
+
+def run_list(spec: str) -> dict[str, str]:
+  """``{name: run directory}`` of a plain list of runs, each named by its
+  folder's name (``expert_2`` where two share one)."""
+  dirs = [s.strip() for s in spec.split(",") if s.strip()]
+  names = [os.path.basename(os.path.normpath(d)) or "expert" for d in dirs]
+  return {(n if names.count(n) == 1 else f"{n}_{i}"): d
+          for i, (n, d) in enumerate(zip(names, dirs))}

@@ -10,7 +10,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from mopd_jax import cli, parallel, stages
-from mopd_jax import config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/pretrain.py or"
@@ -21,7 +20,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main() -> None:
-  config = config_lib.validate(cli.config_value(_CONFIG, "config"))
+  config = stages.validate(cli.config_value(_CONFIG, "config"))
   # Once per process, before anything touches a device.
   parallel.use_cpu_devices(config.mesh.cpu_devices)
   parallel.init_distributed(config.distributed)

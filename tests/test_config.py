@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import ROOT, load_config, train_cli
-from mopd_jax import config as config_lib
+from mopd_jax import stages
 from mopd_jax.errors import ConfigError
 
 SMOKE = os.path.join(ROOT, "configs", "pretrain.py") + ":smoke"
@@ -19,8 +19,8 @@ def _smoke():
 def test_defaults_validate_and_fill_missing_fields():
   cfg = _smoke()
   del cfg.eval
-  full = config_lib.validate(cfg)
-  assert full.eval.num_prompts == config_lib.defaults("pretrain").eval.num_prompts
+  full = stages.validate(cfg)
+  assert full.eval.num_prompts == stages.defaults("pretrain").eval.num_prompts
   assert full.train.steps == 4  # the variant's value survives
 
 
@@ -55,7 +55,7 @@ def test_bad_field_is_named(mutate, field):
   cfg = _smoke()
   mutate(cfg)
   with pytest.raises(ConfigError) as err:
-    config_lib.validate(cfg)
+    stages.validate(cfg)
   assert str(err.value).startswith(field + ":")
 
 
@@ -64,7 +64,7 @@ def test_wrong_type_is_named():
   cfg = ml_collections.ConfigDict(_smoke().to_dict())
   cfg.train = ml_collections.ConfigDict(dict(cfg.train.to_dict(), steps="ten"))
   with pytest.raises(ConfigError, match=r"^train\.steps: expected int"):
-    config_lib.validate(cfg)
+    stages.validate(cfg)
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -146,35 +146,35 @@ def test_cli_malformed_eval_jsonl_names_file_and_line(tmp_path, data_dir):
     (lambda c: c.eval.__setattr__("domains", ("add", "x")), "eval.domains"),
 ])
 def test_rl_fields_are_checked(mutate, field):
-  cfg = config_lib.defaults("grpo")
+  cfg = stages.defaults("grpo")
   cfg.init = "runs/base"
   mutate(cfg)
   with pytest.raises(ConfigError) as err:
-    config_lib.validate(cfg)
+    stages.validate(cfg)
   assert str(err.value).startswith(field + ":")
 
 
 def test_mix_rl_floor_and_weights_are_checked():
-  cfg = config_lib.defaults("mix_rl")
+  cfg = stages.defaults("mix_rl")
   cfg.init = "runs/base"
   cfg.mixture.floor = 0.3
   with pytest.raises(ConfigError, match=r"^mixture\.floor:"):
-    config_lib.validate(cfg)
+    stages.validate(cfg)
   cfg.mixture.floor = 0.05
   cfg.data.weights = (1.0, 1.0)
   with pytest.raises(ConfigError, match=r"^data\.weights:"):
-    config_lib.validate(cfg)
+    stages.validate(cfg)
 
 
 def test_open_mopd_variant_validates_and_power_is_checked():
   cfg = load_config("mopd", "open")
   cfg.update(teachers="runs/expert_{domain}", init="runs/base")
-  om = config_lib.validate(cfg).open_mopd
+  om = stages.validate(cfg).open_mopd
   assert om.token_share and om.gap_budget and om.reward_refresh
   assert om.token_share_power == 0.5 and om.gap_statistic == "sequence_kl"
   cfg.open_mopd.token_share_power = -1.0
   with pytest.raises(ConfigError, match=r"^open_mopd\.token_share_power:"):
-    config_lib.validate(cfg)
+    stages.validate(cfg)
 
 
 @pytest.mark.parametrize("name", ["grpo", "mix_rl", "mopd", "merge", "study"])
@@ -187,7 +187,7 @@ def test_hf_variants_validate_with_the_real_model_settings(name):
     config.init = "runs/qwen3"
   if name in ("merge", "mopd"):
     config["experts" if name == "merge" else "teachers"] = "runs/e_{domain}"
-  config = config_lib.validate(config)
+  config = stages.validate(config)
   assert (config.mesh.data, config.mesh.fsdp) == (1, -1)
   if name == "study":
     assert config.variant == "hf"

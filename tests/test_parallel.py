@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from jax.sharding import PartitionSpec as P
 
-from mopd_jax import config as config_lib
+from mopd_jax import stages
 from mopd_jax import metrics, parallel, runs, training
 from mopd_jax.errors import ConfigError
 from mopd_jax.models.config import ModelConfig
@@ -177,7 +177,7 @@ def test_distributed_start_from_config_or_environment(monkeypatch):
   calls = []
   monkeypatch.setattr(jax.distributed, "initialize",
                       lambda **kw: calls.append(kw))
-  section = config_lib.defaults("pretrain").distributed
+  section = stages.defaults("pretrain").distributed
   monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
   assert not parallel.init_distributed(section) and not calls
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
@@ -198,14 +198,14 @@ def test_distributed_start_from_config_or_environment(monkeypatch):
 def test_cpu_devices_not_in_effect_is_one_line():
   """A config asking for 2 CPU devices in a process that has 8 (the split
   happens only at a process's start) is refused, not silently ignored."""
-  config = config_lib.defaults("pretrain")
+  config = stages.defaults("pretrain")
   config.mesh.cpu_devices = 2
   with pytest.raises(ConfigError, match="mesh.cpu_devices: 2 takes effect"):
-    runs.setup(config_lib.validate(config))
+    runs.setup(stages.validate(config))
 
 
 def test_config_checks_the_rule_set():
-  config = config_lib.defaults("pretrain")
+  config = stages.defaults("pretrain")
   config.mesh.rules = "zero3"
   with pytest.raises(ConfigError, match="mesh.rules"):
-    config_lib.validate(config)
+    stages.validate(config)

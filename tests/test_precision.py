@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import load_config
-from mopd_jax import config as config_lib
 from mopd_jax import runs
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
@@ -24,7 +23,7 @@ def _pretrain_losses(tmp_path, data_dir, dtype):
   config.model.dtype = dtype
   config.train.update(steps=30, log_every=5, eval_every=30)
   config.checkpoint.every = 30
-  config = config_lib.validate(config)
+  config = stages.validate(config)
   workdir = tmp_path / dtype
   stages.run(config, str(workdir))
   lines = [json.loads(line) for line in

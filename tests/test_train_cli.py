@@ -14,7 +14,7 @@ import pytest
 
 from conftest import (ROOT, load_config, pretrain_smoke_command,
                       run_notebook, train_cli)
-from mopd_jax import config as config_lib
+from mopd_jax import stages
 from mopd_jax import runs
 from mopd_jax.errors import CheckpointError
 from mopd_jax.models.config import ModelConfig
@@ -102,7 +102,7 @@ def test_resuming_with_other_hyperparameters_is_refused(smoke_run, tmp_path,
       "data_dir"]
   config.train.update(steps=6, log_every=3)
   config.checkpoint.every = 3
-  runs.check_resumable(config_lib.validate(config), str(run))
+  runs.check_resumable(stages.validate(config), str(run))
 
 
 def test_checkpoints_without_config_json_are_refused_untouched(

@@ -7,101 +7,25 @@ held-out domain (``reverse``) is learned only in base training, so that a drop
 on it reveals forgetting. Every prompt starts with a keyword of its domain and
 uses only the character tokenizer's alphabet.
 
-Train, validation and test prompts are told apart by a stable hash of the
-prompt text (``split_of``), so no two splits share a prompt, however many
-examples either one draws. Validation is for choices made during or between
-runs (when the base stops, merge settings); test is only ever reported.
+Splits and the ``Domain`` contract are in ``example``; ``get_domain``
+resolves a name to a built-in domain or to a file's (``files``).
 """
 
 from __future__ import annotations
 
-import abc
-import dataclasses
 import re
 import string
-import zlib
 
 import numpy as np
 
+from mopd_jax.data import files
+from mopd_jax.data.example import SPLITS, Domain, Example
 from mopd_jax.errors import DataError
-
-# The order fixes each split's random stream (its index): validation came
-# last so that the train and test streams stayed what they were.
-SPLITS = ("train", "test", "validation")
-HELD_OUT_SPLITS = ("test", "validation")  # unique prompts, graded
-TEST_FRACTION = 0.1
-VALIDATION_FRACTION = 0.1
 
 # Reference integers are small; capping the digits keeps a verifier from
 # spending quadratic time in int() (or hitting Python's 4300-digit limit) on a
 # completion such as '9' * 10000.
 _INT_PATTERN = re.compile(r"[+-]?[0-9]{1,18}")
-
-# Rejection sampling is bounded so that a split that cannot be filled (too
-# few distinct test prompts) fails with an error instead of looping forever.
-_MIN_DRAWS = 10_000
-_DRAWS_PER_EXAMPLE = 100
-
-
-@dataclasses.dataclass(frozen=True)
-class Example:
-  """One prompt and its reference demonstration (the target text, no EOS)."""
-  prompt: str
-  answer: str
-  domain: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Domain(abc.ABC):
-  """A task: draws prompts with demonstrations and scores completions.
-
-  Subclasses implement ``_sample`` and ``verify``; verifiers take any string
-  and return a reward in [0, 1] without raising. ``answer_chars`` bounds
-  the length of every answer ``_sample`` draws (``completion_budget``).
-  """
-  name: str
-  held_out: bool
-  description: str
-  answer_chars: int
-
-  def generate(self, rng: np.random.Generator) -> Example:
-    """One random prompt and its demonstration answer."""
-    prompt, answer = self._sample(rng)
-    return Example(prompt=prompt, answer=answer, domain=self.name)
-
-  @abc.abstractmethod
-  def _sample(self, rng: np.random.Generator) -> tuple[str, str]:
-    """A prompt and its demonstration answer."""
-
-  @abc.abstractmethod
-  def verify(self, completion: str, answer: str) -> float:
-    """Reward of a decoded ``completion`` against the stored ``answer``."""
-
-  def draw(self, split: str, n: int, seed: int) -> list[Example]:
-    """``n`` examples of ``split`` (``generate``'s contract): drawn from
-    ``generate(rng)`` and kept when their prompt hashes to ``split``."""
-    # The domain enters through its name's crc32, not its position in DOMAINS,
-    # so that adding a domain never changes another domain's data.
-    rng = np.random.default_rng(
-        [seed, zlib.crc32(self.name.encode("utf-8")), SPLITS.index(split)])
-    examples, seen = [], set()
-    max_draws = _MIN_DRAWS + _DRAWS_PER_EXAMPLE * n
-    draws = 0
-    while len(examples) < n:
-      if draws == max_draws:
-        raise DataError(
-            f"could not draw {n} {split} examples of domain {self.name!r} in"
-            f" {max_draws} draws (got {len(examples)}); ask for fewer")
-      draws += 1
-      example = self.generate(rng)
-      if split_of(example.prompt) != split:
-        continue
-      if split in HELD_OUT_SPLITS:
-        if example.prompt in seen:
-          continue
-        seen.add(example.prompt)
-      examples.append(example)
-    return examples
 
 
 def _parse_int(text: str) -> int | None:
@@ -217,7 +141,6 @@ HELD_OUT_DOMAINS: tuple[str, ...] = ("reverse",)
 def get_domain(name: str) -> Domain:
   """The built-in domain called ``name``, or the file domain it names
   (``<kind>:<path>``, ``data/files.py``)."""
-  from mopd_jax.data import files  # files builds on this module
   if files.is_file_domain(name):
     return files.file_domain(name)
   try:
@@ -228,6 +151,12 @@ def get_domain(name: str) -> Domain:
         f" as {'|'.join(files.REWARDS)}:<path>") from None
 
 
+def is_domain(name) -> bool:
+  """A built-in domain's name or a file domain's ``<kind>:<path>``."""
+  return name in DOMAINS or (isinstance(name, str)
+                             and files.is_file_domain(name))
+
+
 def completion_budget(domains, cap: int) -> int:
   """Tokens a training rollout of these domains' prompts may take:
   ``min(cap, 2 L + 2)``, ``L`` the longest answer of ``domains`` in
@@ -235,19 +164,6 @@ def completion_budget(domains, cap: int) -> int:
   much again for a wrong one. Without it an ``add`` expert would sample and
   train on rows of ``cap`` = 48 tokens whose answers take at most 4."""
   return min(cap, 2 * max(get_domain(d).answer_chars for d in domains) + 2)
-
-
-def split_of(prompt: str) -> str:
-  """'test', 'validation' or 'train' for ``prompt``, from a hash stable
-  across runs: ``u = crc32(prompt) / 2^32``; test when ``u < 0.1``,
-  validation when ``0.1 <= u < 0.2``, train otherwise."""
-  # crc32, unlike hash(), does not change with PYTHONHASHSEED.
-  bucket = zlib.crc32(prompt.encode("utf-8")) / 2**32
-  if bucket < TEST_FRACTION:
-    return "test"
-  if bucket < TEST_FRACTION + VALIDATION_FRACTION:
-    return "validation"
-  return "train"
 
 
 def generate(domain: str, split: str, n: int, seed: int) -> list[Example]:

@@ -23,7 +23,7 @@ usable wherever a built-in domain name is (``data.domains``, an expert's
   IFEval has no counterpart for: character counts, an exact bullet count,
   lower or upper case without IFEval's English-language test).
 
-A record's split is the stable hash of its prompt (``domains.split_of``),
+A record's split is the stable hash of its prompt (``example.split_of``),
 as for the built-in domains. Every record is checked when the file is
 first read (``path:line: what is wrong``).
 """
@@ -39,8 +39,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from mopd_jax.data import domains
-from mopd_jax.data.jsonl import json_records
+from mopd_jax.data import example
+from mopd_jax.data.records import json_records
 from mopd_jax.errors import DataError
 
 
@@ -194,7 +194,7 @@ def label(name: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class FileDomain(domains.Domain):
+class FileDomain(example.Domain):
   """The records of one file, with the verifier of their kind."""
   kind: str = "math"
   records: tuple = ()
@@ -206,16 +206,16 @@ class FileDomain(domains.Domain):
   def verify(self, completion: str, answer: str) -> float:
     return REWARDS[self.kind](completion, answer)
 
-  def draw(self, split: str, n: int, seed: int) -> list[domains.Example]:
+  def draw(self, split: str, n: int, seed: int) -> list[example.Example]:
     """``n`` examples of ``split``: for train drawn with replacement; for
     the held-out splits the first ``n`` of a seeded order of its unique
     prompts, or all of them when there are fewer."""
-    mine = [e for e in self.records if domains.split_of(e.prompt) == split]
+    mine = [e for e in self.records if example.split_of(e.prompt) == split]
     if not mine:
       raise DataError(f"{self.name}: no {split} records (a record's split is"
                       " the hash of its prompt; the file needs more lines)")
-    rng = np.random.default_rng([seed, domains.SPLITS.index(split)])
-    if split in domains.HELD_OUT_SPLITS:
+    rng = np.random.default_rng([seed, example.SPLITS.index(split)])
+    if split in example.HELD_OUT_SPLITS:
       unique = list({e.prompt: e for e in mine}.values())
       return [unique[i] for i in rng.permutation(len(unique))[:n]]
     return [mine[i] for i in rng.integers(len(mine), size=n)]
@@ -246,7 +246,7 @@ def _text(record: dict, where: str, *keys: str) -> str:
   raise DataError(f"{where}: missing field " + " or ".join(map(repr, keys)))
 
 
-def _parse(kind: str, record: dict, where: str, name: str) -> domains.Example:
+def _parse(kind: str, record: dict, where: str, name: str) -> example.Example:
   prompt = _text(record, where, "prompt", "question")
   if kind == "constraints":
     constraints = _constraints(record, where)
@@ -267,7 +267,7 @@ def _parse(kind: str, record: dict, where: str, name: str) -> domains.Example:
                               or _NUMBER.search(answer)):
     raise DataError(f"{where}: field 'answer': no final answer in"
                     f" {answer[:40]!r}")
-  return domains.Example(prompt=prompt, answer=answer, domain=name)
+  return example.Example(prompt=prompt, answer=answer, domain=name)
 
 
 def _constraints(record: dict, where: str) -> list[dict]:

@@ -25,7 +25,7 @@ from typing import ClassVar
 import tensorflow_datasets as tfds
 
 from mopd_jax.data import domains
-from mopd_jax.data.domains import Example
+from mopd_jax.data.example import SPLITS, Example
 from mopd_jax.errors import DataError, reason
 
 DEFAULT_NUM_TRAIN = 20_000
@@ -151,9 +151,9 @@ def load_split(domain: str,
   combination lives in its own directory.
   """
   domains.get_domain(domain)  # A DataError naming the known domains.
-  if split not in domains.SPLITS:
+  if split not in SPLITS:
     raise DataError(
-        f"unknown split {split!r}; known: {', '.join(domains.SPLITS)}")
+        f"unknown split {split!r}; known: {', '.join(SPLITS)}")
   # TFDS cannot write an empty split.
   if min(num_train, num_test) < 1 or seed < 0:
     raise DataError(f"need num_train, num_test >= 1 and seed >= 0, got"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from mopd_jax.fusion.teachers import TOKEN_ROUTERS
+from mopd_jax.distill.teachers import TOKEN_ROUTERS
 from mopd_jax.metrics import read_metrics
 from mopd_jax.models.config import ModelConfig
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import jax
 
-from mopd_jax import config as config_lib
 from mopd_jax import parallel
 from mopd_jax.evaluation import accuracy
+from mopd_jax.rollout.sampler import SamplingConfig
 
 
 def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None,
@@ -32,7 +32,7 @@ def make_eval_fn(config, model_cfg, tokenizer, test, mesh, on_final=None,
     results = {}
     with parallel.activate(mesh):
       for mode, temperature in modes.items():
-        sampling = config_lib.sampling_config(config.sampling, tokenizer,
+        sampling = SamplingConfig.of(config.sampling, tokenizer,
                                               temperature=temperature)
         results[mode] = accuracy.evaluate(
             state["params"], model_cfg, tokenizer, subsets, sampling,

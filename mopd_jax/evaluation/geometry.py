@@ -35,7 +35,7 @@ from mopd_jax.atomic import write_bytes_atomic, write_json_atomic
 from mopd_jax.checksum import named_leaves
 from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.evaluation.figures import png_bytes, pyplot
-from mopd_jax.fusion.teachers import parse_teachers
+from mopd_jax.runs import runs_by_domain
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models import tokenizer as tokenizer_lib
 
@@ -240,8 +240,8 @@ def from_runs(init: str, experts: str, domains: Sequence[str],
   base_config = runs.load_run_config(init)
   tokenizer = tokenizer_lib.of_run(init)
   runs.check_same_tokens(init, base_config, tokenizer, "--init")
-  model_cfg = ModelConfig(**base_config.model.to_dict())
-  dirs = parse_teachers(experts, tuple(domains), field="--experts")
+  model_cfg = ModelConfig.of(base_config.model)
+  dirs = runs_by_domain(experts, tuple(domains), field="--experts")
   for run_dir in dirs.values():
     run_config = runs.load_run_config(run_dir)
     runs.check_same_tokens(run_dir, run_config, tokenizer, "--experts")

@@ -52,6 +52,11 @@ class ModelConfig:
           f"num_heads={self.num_heads} is not a multiple of"
           f" num_kv_heads={self.num_kv_heads}")
 
+  @classmethod
+  def of(cls, section) -> "ModelConfig":
+    """From a config's (or a run's) ``model`` section."""
+    return cls(**section.to_dict())
+
   def num_params(self) -> int:
     """Parameter count, embeddings included (used for FLOP estimates)."""
     d, f, h, k, hd = (self.embed_dim, self.mlp_dim, self.num_heads,

@@ -1,7 +1,32 @@
-"""On-policy distillation: the per-token teacher signal and its losses.
+"""On-policy distillation: the whole loss of MOPD and its variants.
 
-The student ``pi`` samples ``y``; a teacher ``T`` scores every sampled
-token. Per-token arrays are [B, T] with a completion mask; full-vocabulary
+The student ``pi`` samples ``y`` (or, off-policy, a behaviour policy does:
+the teacher's prefixes, the TRB blend); the routed teacher ``T`` of each
+token (its domain's expert, the delta teacher, or a token router's pick)
+scores it. Per token, with the signal
+
+    a_t = log T(y_t | x, y_<t) - log pi(y_t | x, y_<t)
+
+(``pi`` the rollout-time student, or the current one under Open-MOPD's
+reward refresh; ``+ (lambda - 1)(log T - log base)`` with extrapolation),
+the gate ``g_t = 1[a_t > 0]`` (``opd.gate``, else 1) and the outcome term
+``lambda_orm A`` (the sequence's group advantage), ``opd.loss`` is
+
+    pg:    L_t = clipped PG with advantage g_t a_t + lambda_orm A
+    topk:  L_t = g_t topk_dense_loss + lambda_orm PG(A)
+    kl:    L_t = g_t KL_alpha(pi || T) + lambda_orm PG(A),
+           KL_alpha = alpha KL(T || pi) + (1 - alpha) KL(pi || T)
+
+plus ``KL(T || pi)`` where ``H(T) > opd.entropy_threshold``. The step's
+loss is
+
+    L = agg_t [ w_d(t) L_t + beta KL_t(pi || pi_ref) - c H_t(pi) ]
+
+with ``w_d`` the Open-MOPD loss weight of the token's domain
+(``distill/budget.py``: token-share balancing times the gap-aware budget;
+1 when off), the KL to the reference and the entropy bonus of
+``policy.aggregate_loss`` and its aggregation (``rl.aggregation``).
+Per-token arrays are [B, T] with a completion mask; full-vocabulary
 quantities come from the fused ops in ``mopd_jax.ops.vocab`` (the exact KL,
 the student's top-K), so that [tokens, vocab] never exists.
 """
@@ -13,10 +38,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mopd_jax.objectives import grpo
+from mopd_jax.objectives import grpo, policy
+from mopd_jax.ops import vocab
 from mopd_jax.ops.vocab import VocabKL
-
-GAP_STATISTICS = ("abs_signal", "reverse_kl", "sequence_kl")
+from mopd_jax.reductions import masked_sum_count
 
 
 def token_signal(teacher_logp: jax.Array, student_logp: jax.Array
@@ -107,3 +132,101 @@ def topk_loss(x: LossInputs):
 
 # opd.loss -> its per-token loss: (LossInputs) -> (L_t, clipped, metrics)
 LOSSES = {"pg": pg_loss, "topk": topk_loss, "kl": kl_loss}
+
+
+def full_vocabulary(opd_cfg) -> bool:
+  """Whether the loss needs the teacher's whole distribution per position
+  (then its hidden states are cached instead of [tokens, vocab] logits)."""
+  return opd_cfg.loss in ("topk", "kl") or opd_cfg.entropy_threshold > 0
+
+
+def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
+              ops: vocab.VocabOps):
+  """The distillation loss of a minibatch, ``(params, mb, teacher_w)``.
+
+  ``mb`` holds per-sequence arrays: the rollout, ``old_logp``,
+  ``teacher_logp`` (and ``teacher_hidden``, ``teacher_entropy``,
+  ``ref_logp`` as the options need), the outcome ``advantages``, the
+  routed ``teacher_id`` [B, T] (per token: a token router may send one
+  sequence's tokens to several teachers) and the per-sequence loss
+  ``weight`` (Open-MOPD).
+  ``teacher_w`` [teachers, D, V] stacks the teachers' unembeddings (zero
+  rows pad a smaller hidden size: the logits are unchanged); every
+  full-vocabulary term runs once per teacher with only that teacher's rows
+  unmasked (the fused ops give masked rows 0 but still compute them: J
+  unembedding passes over the minibatch, against one transformer forward
+  per teacher over its own rows, done before, in ``teachers.score``).
+
+  The module docstring's ``L``, ``L_t`` from ``LOSSES[opd.loss]``,
+  ``refresh``: ``a_t`` under the current student (reward refresh).
+  """
+
+  def loss_fn(params, mb, teacher_w):
+    stats = policy.student_positions(params, model_cfg, mb,
+                                     sampling.temperature, ops)
+    logp = stats["logp"]
+
+    def routed(fn):
+      """``sum_j fn(j, mask_j)``: each token gets its own teacher's value."""
+      outs = [fn(j, mb["mask"] * (mb["teacher_id"] == j))
+              for j in range(teacher_w.shape[0])]
+      return jax.tree.map(lambda *xs: sum(xs), *outs)
+
+    def kl(j, mask):
+      return vocab.vocab_kl(stats["h"], stats["w"], mb["teacher_hidden"],
+                            teacher_w[j], mask=mask, scale=stats["scale"],
+                            teacher_scale=1.0, ops=ops)
+
+    def topk():
+      top_logp, ids = vocab.topk_logprobs(
+          stats["h"], stats["w"], opd_cfg.top_k, mask=mb["mask"],
+          scale=stats["scale"], ops=ops)
+      return top_logp, routed(lambda j, mask: vocab.token_logprobs(
+          mb["teacher_hidden"], teacher_w[j], ids, mask=mask, ops=ops))
+
+    # the full KL once, for the loss and the entropy term
+    full_kl = (routed(kl) if opd_cfg.loss == "kl"
+               or opd_cfg.entropy_threshold > 0 else None)
+    student = jax.lax.stop_gradient(logp) if refresh else mb["old_logp"]
+    signal = token_signal(mb["teacher_logp"], student)
+    if opd_cfg.extrapolation != 1.0:
+      signal = extrapolate(signal, mb["teacher_logp"], mb["ref_logp"],
+                           opd_cfg.extrapolation)
+    gate_t = gate(signal) if opd_cfg.gate else jnp.ones_like(signal)
+    per_token, clipped, metrics = LOSSES[opd_cfg.loss](LossInputs(
+        logp=logp, old_logp=mb["old_logp"], signal=signal, gate=gate_t,
+        outcome=opd_cfg.lambda_orm * mb["advantages"][:, None],
+        clip=(rl_cfg.eps_low, rl_cfg.eps_high, rl_cfg.dual_clip,
+              mb.get("behaviour_logp"), rl_cfg.tis_cap),
+        kl_alpha=opd_cfg.kl_alpha, kl=full_kl, topk=topk))
+    if opd_cfg.entropy_threshold > 0:
+      per_token = per_token + jnp.where(
+          mb["teacher_entropy"] > opd_cfg.entropy_threshold,
+          full_kl.forward, 0.0)
+    per_token = per_token * mb["weight"][:, None]
+    mask = mb["mask"] * mb["keep"][:, None]
+    metrics = {k: masked_sum_count(v, mask) for k, v in metrics.items()}
+    metrics.update(signal=masked_sum_count(signal, mask),
+                   gated=masked_sum_count(1.0 - gate_t, mask))
+    return policy.aggregate_loss(per_token, clipped, stats, mb, rl_cfg,
+                                 sampling.max_new_tokens, metrics)
+
+  return loss_fn
+
+
+def make_align_kl(model_cfg, temperature: float, ops: vocab.VocabOps):
+  """A jitted ``(params, batch, teacher_hidden [J, B, T, D], teacher_w
+  [J, D, V]) -> [J, B, T]``: ``KL(pi || T_j)`` at every completion position
+  over the vocabulary (the fused op, no [tokens, V] logits), ``pi`` the
+  student under ``params`` (the expert-align router's score)."""
+
+  @jax.jit
+  def align_kl(params, batch, teacher_hidden, teacher_w):
+    stats = policy.student_positions(params, model_cfg, batch, temperature,
+                                     ops)
+    return jnp.stack([vocab.vocab_kl(
+        stats["h"], stats["w"], teacher_hidden[j], teacher_w[j],
+        mask=batch["mask"], scale=stats["scale"], teacher_scale=1.0,
+        ops=ops).reverse for j in range(teacher_w.shape[0])])
+
+  return align_kl

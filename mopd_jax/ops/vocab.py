@@ -37,15 +37,24 @@ from mopd_jax import parallel
 from mopd_jax.ops import vocab_pallas, vocab_xla
 
 
+# auto: Pallas on TPU, XLA anywhere else
+IMPLS = ("auto", "xla", "pallas")
+
+
 @dataclasses.dataclass(frozen=True)
 class VocabOps:
   """How every fused vocabulary op runs: ``impl`` and the tiles (module
-  docstring). Built once from ``config.ops`` (``config.op_options``) and
-  passed unchanged to the kernels; frozen, so it hashes as a static jit
+  docstring). Built once from a run's ``ops`` section (``of``) and passed
+  unchanged to the kernels; frozen, so it hashes as a static jit
   argument."""
   impl: str = "auto"
   block_v: int | None = None
   block_n: int | None = None
+
+  @classmethod
+  def of(cls, section) -> "VocabOps":
+    """From a config's ``ops`` section (``block_v`` 0: the default)."""
+    return cls(impl=section.impl, block_v=section.block_v or None)
 
 
 DEFAULT_OPS = VocabOps()
@@ -77,7 +86,7 @@ def resolve_impl(impl: str) -> str:
   """``"auto"`` -> ``"pallas"`` on TPU, ``"xla"`` anywhere else."""
   if impl == "auto":
     return "pallas" if jax.default_backend() == "tpu" else "xla"
-  if impl not in ("xla", "pallas"):
+  if impl not in IMPLS:
     raise ValueError(f"impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
   return impl
 

@@ -34,6 +34,15 @@ class SamplingConfig:
   stop_ids: tuple[int, ...] = (2,)
   pad_id: int = 0
 
+  @classmethod
+  def of(cls, section, tokenizer, **overrides) -> "SamplingConfig":
+    """From a config's ``sampling`` section, with the stop and padding ids
+    of ``tokenizer`` and ``overrides``."""
+    fields = dict(section.to_dict(), stop_ids=tuple(tokenizer.stop_ids),
+                  pad_id=tokenizer.pad_id)
+    fields.update(overrides)
+    return cls(**fields)
+
 
 class Rollout(NamedTuple):
   """Completions of a batch of prompts.

@@ -15,110 +15,191 @@ student reward refresh (``a_t`` under the current student at every update).
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from mopd_jax import atomic, parallel, runs
 from mopd_jax import config as config_lib
+from mopd_jax.config import non_negative, positive
 from mopd_jax.data import mixture
-from mopd_jax.data.domains import completion_budget
+from mopd_jax.data.domains import TRAIN_DOMAINS, completion_budget
+from mopd_jax.distill import budget, teachers
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.evaluation import headroom
-from mopd_jax.fusion import open_mopd, teachers
 from mopd_jax.models import tokenizer as tokenizer_lib
-from mopd_jax.objectives import opd, policy
+from mopd_jax.objectives import opd
 from mopd_jax.ops import vocab
-from mopd_jax.reductions import masked_sum_count
 from mopd_jax.stages import on_policy
 
 
-def full_vocabulary(opd_cfg) -> bool:
-  """Whether the loss needs the teacher's whole distribution per position
-  (then its hidden states are cached instead of [tokens, vocab] logits)."""
-  return opd_cfg.loss in ("topk", "kl") or opd_cfg.entropy_threshold > 0
+def defaults() -> ml_collections.ConfigDict:
+  """The student (``init``) on its own rollouts of the pooled
+  ``data.domains``, each domain's samples scored by its teacher (one
+  expert run per domain in ``teachers``); the ``rl`` section carries the
+  batch shape, the clip of the ``pg`` loss and the outcome advantage."""
+  c = on_policy.defaults("mopd", steps=300)
+  c.data.domains = TRAIN_DOMAINS
+  c.data.weights = ()  # empty: uniform over domains
+  # run directories: a template with {domain}, or domain=dir pairs
+  c.teachers = ""
+  c.rl.update(group_size=4, prompts_per_step=64, minibatches=4)
+  c.opd = ml_collections.ConfigDict(dict(
+      # oracle: each sample to its domain's expert; delta: every token to
+      # the delta teacher z_base + delta_scale * sum_i (z_expert_i - z_base);
+      # label-free, per token from every expert's scores (MOPD-Router):
+      # entropy (the lowest), novelty (the highest log T_i(y_t) - log
+      # base(y_t)), expert_align (the lowest KL(student || T_i))
+      router="oracle",
+      delta_scale=1.0,
+      # kl (exact, per position) | pg (sampled-token signal) | topk (dense);
+      # kl recovered about twice pg's headroom on the built-in domains
+      loss="kl",
+      kl_alpha=0.0,  # kl: alpha * forward + (1 - alpha) * reverse
+      top_k=8,  # topk: the student's K most likely tokens
+      lambda_orm=0.0,  # weight of the verifier's group advantage
+      entropy_threshold=0.0,  # > 0: forward KL where H(teacher) exceeds it
+      gate=False,  # keep the signal only where T(y_t) > pi(y_t)
+      proxy_teacher=False,  # student_base + (expert - expert_init) logits
+      extrapolation=1.0,  # lambda of a_t + (lambda-1)(log T - log base)
+      # Devices holding the teachers: 0, the student's mesh; k > 0, a
+      # sub-mesh of the last k devices (teachers' parameters sharded over it).
+      teacher_devices=0,
+      # Who samples the completions the loss is taken on: the student
+      # (on-policy) or each domain's expert (teacher prefixes, off-policy
+      # distillation; with loss=kl, kl_alpha=1 is forward KL on them).
+      prefix="student",
+      # TRB warm-up: for the first trb_steps steps sample from the blend of
+      # student and teacher inside KL(b || student) <= delta_t, delta_t
+      # annealed linearly from trb_delta to 0 (0: off)
+      trb_delta=0.0,
+      trb_steps=0,
+      # Entropy-gated length curriculum (0: off): the completion budget
+      # starts at curriculum_start tokens and grows by curriculum_growth a
+      # step while the student's mean entropy stays >= curriculum_entropy
+      curriculum_entropy=0.0,
+      curriculum_start=8,
+      curriculum_growth=8,
+  ))
+  c.open_mopd = ml_collections.ConfigDict(dict(
+      token_share=False,  # weight d by target_share_d / token_share_d
+      target_shares=(),  # empty: uniform over domains
+      # (target / share)^power: 1 balances fully, 0.5 part of the way
+      token_share_power=1.0,
+      gap_budget=False,  # weight d by clip((gap_d / ref)^alpha, lo, hi)
+      gap_statistic="abs_signal",  # | reverse_kl | sequence_kl
+      gap_relative=False,  # compare gap_d / gap_d(first batch) instead
+      gap_alpha=1.0,
+      gap_min=0.5,
+      gap_max=2.0,
+      gap_momentum=0.9,
+      gap_steers="loss",  # loss | sampling | both
+      reward_refresh=False,  # a_t under the current student at each update
+  ))
+  return c
 
 
-def make_loss(model_cfg, sampling, rl_cfg, opd_cfg, refresh: bool,
-              ops: vocab.VocabOps):
-  """The distillation loss of a minibatch, ``(params, mb, teacher_w)``.
+_PREFIXES = ("student", "teacher")
+CHECKS = (
+    *on_policy.CHECKS,
+    ("teachers", bool, "the expert runs: a template with {domain} or"
+     " domain=dir pairs"),
+    ("opd.router", lambda v: v in teachers.ROUTERS,
+     " or ".join(teachers.ROUTERS)),
+    ("opd.delta_scale", math.isfinite, "a finite number"),
+    ("opd.loss", lambda v: v in opd.LOSSES, " or ".join(opd.LOSSES)),
+    ("opd.kl_alpha", config_lib.is_fraction, "in [0, 1]"),
+    ("opd.top_k", positive, "> 0"),
+    ("opd.lambda_orm", non_negative, ">= 0"),
+    ("opd.entropy_threshold", non_negative, ">= 0 (0 disables)"),
+    ("opd.extrapolation", non_negative, ">= 0 (1 disables)"),
+    ("opd.teacher_devices", non_negative, ">= 0 (0: the student's mesh)"),
+    ("opd.prefix", lambda v: v in _PREFIXES, " or ".join(_PREFIXES)),
+    ("opd.trb_delta", non_negative, ">= 0 (0: off)"),
+    ("opd.trb_steps", non_negative, ">= 0"),
+    ("opd.curriculum_entropy", non_negative, ">= 0 (0: off)"),
+    ("opd.curriculum_start", positive, "> 0"),
+    ("opd.curriculum_growth", positive, "> 0"),
+    ("open_mopd.target_shares", lambda v: all(w >= 0 for w in v) and (
+        not v or sum(v) > 0), "empty or non-negative with a positive sum"),
+    ("open_mopd.token_share_power", non_negative, ">= 0 (1: exact)"),
+    ("open_mopd.gap_statistic", lambda v: v in budget.GAP_STATISTICS,
+     " or ".join(budget.GAP_STATISTICS)),
+    ("open_mopd.gap_alpha", non_negative, ">= 0"),
+    ("open_mopd.gap_min", positive, "> 0"),
+    ("open_mopd.gap_max", positive, "> 0"),
+    ("open_mopd.gap_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("open_mopd.gap_steers", lambda v: v in budget.GAP_STEERS,
+     ", ".join(budget.GAP_STEERS)),
+)
 
-  ``mb`` holds per-sequence arrays: the rollout, ``old_logp``,
-  ``teacher_logp`` (and ``teacher_hidden``, ``teacher_entropy``,
-  ``ref_logp`` as the options need), the outcome ``advantages``, the
-  routed ``teacher_id`` [B, T] (per token: a token router may send one
-  sequence's tokens to several teachers) and the per-sequence loss
-  ``weight`` (Open-MOPD).
-  ``teacher_w`` [teachers, D, V] stacks the teachers' unembeddings (zero
-  rows pad a smaller hidden size: the logits are unchanged); every
-  full-vocabulary term runs once per teacher with only that teacher's rows
-  unmasked (the fused ops give masked rows 0 but still compute them: J
-  unembedding passes over the minibatch, against one transformer forward
-  per teacher over its own rows, done before, in ``teachers.score``).
 
-  With ``a_t = log T(y_t) - log pi(y_t)`` (``pi`` the current student under
-  ``refresh``, else the rollout-time one), per token (``opd.LOSSES``):
-  * ``pg``:   ``L_t = clipped PG with advantage g_t a_t + lambda_orm A``;
-  * ``topk``: ``L_t = g_t opd.topk_dense_loss + lambda_orm PG(A)``;
-  * ``kl``:   ``L_t = g_t KL_alpha(pi || T) + lambda_orm PG(A)``;
-  ``g_t = opd.gate`` when ``opd.gate`` (else 1), ``A`` the sequence's
-  group advantage, plus the forward KL where ``H(T) > entropy_threshold``.
-  Each token's loss is multiplied by its sequence's ``weight``.
-  """
+def validate(full) -> None:
+  """The combinations of routing, prefixes, losses and rollouts that do
+  not go together."""
+  on_policy.validate(full)
+  shares = full.open_mopd.target_shares
+  if shares and len(shares) != len(full.data.domains):
+    raise ConfigError(f"open_mopd.target_shares: {len(shares)} shares for"
+                      f" {len(full.data.domains)} domains")
+  if full.open_mopd.gap_min > full.open_mopd.gap_max:
+    raise ConfigError("open_mopd.gap_min: must be <= open_mopd.gap_max")
+  opd_cfg = full.opd
+  if opd_cfg.router == "delta" and opd_cfg.proxy_teacher:
+    raise ConfigError("opd.proxy_teacher: the delta teacher already"
+                      " shifts every expert by the base; use one of them")
+  if opd_cfg.loss != "pg" and opd_cfg.extrapolation != 1.0:
+    raise ConfigError("opd.extrapolation: needs opd.loss='pg' (a sampled-token"
+                      " signal)")
+  off_policy = opd_cfg.prefix == "teacher" or opd_cfg.trb_delta > 0
+  if opd_cfg.trb_delta > 0 and not opd_cfg.trb_steps:
+    raise ConfigError("opd.trb_steps: the TRB warm-up needs the steps its"
+                      " radius anneals over (> 0)")
+  if opd_cfg.prefix == "teacher" and opd_cfg.trb_delta > 0:
+    raise ConfigError("opd.trb_delta: teacher prefixes are sampled by the"
+                      " teacher alone; TRB blends it with the student")
+  if off_policy and (opd_cfg.router != "oracle" or opd_cfg.proxy_teacher
+                     or opd_cfg.teacher_devices):
+    raise ConfigError("opd.prefix: teacher prefixes and TRB sample from each"
+                      " domain's own expert (opd.router=oracle, no"
+                      " proxy_teacher, teacher_devices=0)")
+  if opd_cfg.prefix == "teacher" and opd_cfg.loss == "pg":
+    raise ConfigError("opd.prefix: teacher prefixes need a per-position loss"
+                      " (opd.loss=kl or topk); the sampled-token pg loss"
+                      " would need importance weights to the teacher")
+  if opd_cfg.trb_delta > 0 and opd_cfg.loss == "pg" and not full.rl.tis_cap:
+    raise ConfigError("rl.tis_cap: the TRB warm-up with opd.loss=pg needs"
+                      " the truncated importance weight student/behaviour"
+                      " (> 0)")
+  if full.rl.max_policy_lag and (off_policy
+                                 or opd_cfg.curriculum_entropy > 0):
+    raise ConfigError("rl.max_policy_lag: one-step-async rollouts are the"
+                      " student's own at the full budget (no teacher"
+                      " prefixes, TRB or curriculum)")
+  if opd_cfg.curriculum_entropy > 0 and (
+      opd_cfg.curriculum_start > full.sampling.max_new_tokens):
+    raise ConfigError(f"opd.curriculum_start: {opd_cfg.curriculum_start}"
+                      " exceeds sampling.max_new_tokens"
+                      f" ({full.sampling.max_new_tokens})")
 
-  def loss_fn(params, mb, teacher_w):
-    stats = policy.student_positions(params, model_cfg, mb,
-                                     sampling.temperature, ops)
-    logp = stats["logp"]
 
-    def routed(fn):
-      """``sum_j fn(j, mask_j)``: each token gets its own teacher's value."""
-      outs = [fn(j, mb["mask"] * (mb["teacher_id"] == j))
-              for j in range(teacher_w.shape[0])]
-      return jax.tree.map(lambda *xs: sum(xs), *outs)
+VARIANTS = ("open", "smoke", "hf")
 
-    def kl(j, mask):
-      return vocab.vocab_kl(stats["h"], stats["w"], mb["teacher_hidden"],
-                            teacher_w[j], mask=mask, scale=stats["scale"],
-                            teacher_scale=1.0, ops=ops)
 
-    def topk():
-      top_logp, ids = vocab.topk_logprobs(
-          stats["h"], stats["w"], opd_cfg.top_k, mask=mb["mask"],
-          scale=stats["scale"], ops=ops)
-      return top_logp, routed(lambda j, mask: vocab.token_logprobs(
-          mb["teacher_hidden"], teacher_w[j], ids, mask=mask, ops=ops))
-
-    # the full KL once, for the loss and the entropy term
-    full_kl = (routed(kl) if opd_cfg.loss == "kl"
-               or opd_cfg.entropy_threshold > 0 else None)
-    student = jax.lax.stop_gradient(logp) if refresh else mb["old_logp"]
-    signal = opd.token_signal(mb["teacher_logp"], student)
-    if opd_cfg.extrapolation != 1.0:
-      signal = opd.extrapolate(signal, mb["teacher_logp"], mb["ref_logp"],
-                               opd_cfg.extrapolation)
-    gate = opd.gate(signal) if opd_cfg.gate else jnp.ones_like(signal)
-    per_token, clipped, metrics = opd.LOSSES[opd_cfg.loss](opd.LossInputs(
-        logp=logp, old_logp=mb["old_logp"], signal=signal, gate=gate,
-        outcome=opd_cfg.lambda_orm * mb["advantages"][:, None],
-        clip=(rl_cfg.eps_low, rl_cfg.eps_high, rl_cfg.dual_clip,
-              mb.get("behaviour_logp"), rl_cfg.tis_cap),
-        kl_alpha=opd_cfg.kl_alpha, kl=full_kl, topk=topk))
-    if opd_cfg.entropy_threshold > 0:
-      per_token = per_token + jnp.where(
-          mb["teacher_entropy"] > opd_cfg.entropy_threshold,
-          full_kl.forward, 0.0)
-    per_token = per_token * mb["weight"][:, None]
-    mask = mb["mask"] * mb["keep"][:, None]
-    metrics = {k: masked_sum_count(v, mask) for k, v in metrics.items()}
-    metrics.update(signal=masked_sum_count(signal, mask),
-                   gated=masked_sum_count(1.0 - gate, mask))
-    return policy.aggregate_loss(per_token, clipped, stats, mb, rl_cfg,
-                         sampling.max_new_tokens, metrics)
-
-  return loss_fn
+def recipe(config, variant: str) -> None:
+  """``open``: the Open-MOPD mechanisms, the ablation's best setting."""
+  if variant == "open":
+    config.open_mopd.update(token_share=True, gap_budget=True,
+                            reward_refresh=True, token_share_power=0.5,
+                            gap_statistic="sequence_kl")
+  elif variant == "smoke":
+    config_lib.shrink_for_smoke(config)
+    config.rl.update(prompts_per_step=8, group_size=2, minibatches=2)
 
 
 def stacked_unembeddings(teacher_params, teacher_cfgs) -> jax.Array:
@@ -129,24 +210,6 @@ def stacked_unembeddings(teacher_params, teacher_cfgs) -> jax.Array:
   width = max(w.shape[0] for w in ws)
   return jnp.stack([jnp.pad(w, ((0, width - w.shape[0]), (0, 0)))
                     for w in ws])
-
-
-def make_align_kl(model_cfg, temperature: float, ops: vocab.VocabOps):
-  """A jitted ``(params, batch, teacher_hidden [J, B, T, D], teacher_w
-  [J, D, V]) -> [J, B, T]``: ``KL(pi || T_j)`` at every completion position
-  over the vocabulary (the fused op, no [tokens, V] logits), ``pi`` the
-  student under ``params`` (the expert-align router's score)."""
-
-  @jax.jit
-  def align_kl(params, batch, teacher_hidden, teacher_w):
-    stats = policy.student_positions(params, model_cfg, batch, temperature,
-                                     ops)
-    return jnp.stack([vocab.vocab_kl(
-        stats["h"], stats["w"], teacher_hidden[j], teacher_w[j],
-        mask=batch["mask"], scale=stats["scale"], teacher_scale=1.0,
-        ops=ops).reverse for j in range(teacher_w.shape[0])])
-
-  return align_kl
 
 
 def write_headroom(workdir: str, scalars: dict, base_dir: str,
@@ -171,18 +234,18 @@ class MOPD:
   scored by its domain's teacher (or every sample by the delta teacher);
   Open-MOPD's loss weights and gap state."""
 
-  def __init__(self, config, tokenizer, model_cfg, mesh):
+  def __init__(self, config, dirs, tokenizer, model_cfg, mesh):
     self.config = config
     opd_cfg, self.open_cfg = config.opd, config.open_mopd
     if opd_cfg.loss == "topk" and opd_cfg.top_k > model_cfg.vocab_size:
       raise ConfigError(f"opd.top_k: {opd_cfg.top_k} exceeds the vocabulary"
                         f" of {model_cfg.vocab_size}")
-    self.names = on_policy.domains(config)
+    self.names = tuple(config.data.domains)
     self.base = mixture.base_weights(self.names, config.data.weights)
     self.teacher_mesh = teachers.teacher_mesh(mesh, opd_cfg.teacher_devices)
     delta = opd_cfg.router == "delta"
     self.teachers = teachers.load_teachers(
-        teachers.parse_teachers(config.teachers, self.names), tokenizer,
+        dirs, tokenizer,
         self.teacher_mesh, with_init=opd_cfg.proxy_teacher or delta,
         execution=model_cfg)
     self.router = teachers.ROUTERS[opd_cfg.router](self.names, self.teachers)
@@ -190,8 +253,8 @@ class MOPD:
         config.init, model_cfg, self.teacher_mesh)) if opd_cfg.proxy_teacher
                     else None)
     # expert_align compares every teacher's distribution with the student's
-    wide = full_vocabulary(opd_cfg) or self.router.needs_align
-    ops = config_lib.op_options(config)
+    wide = opd.full_vocabulary(opd_cfg) or self.router.needs_align
+    ops = vocab.VocabOps.of(config.ops)
     self.scorers, self.teacher_params, teacher_cfgs = [], [], []
     composed = ([teachers.delta_models(self.teachers, opd_cfg.delta_scale)]
                 if delta else [teachers.teacher_models(t, student_init)
@@ -213,11 +276,11 @@ class MOPD:
     self.max_new_tokens = completion_budget(self.names,
                                             config.sampling.max_new_tokens)
     if self.router.needs_align:
-      self.align_kl = make_align_kl(model_cfg, config.sampling.temperature,
+      self.align_kl = opd.make_align_kl(model_cfg, config.sampling.temperature,
                                     ops)
 
   def init_state(self) -> dict:
-    state = {"gap": open_mopd.init_gap_state(len(self.names))}
+    state = {"gap": budget.init_gap_state(len(self.names))}
     if self.config.opd.curriculum_entropy > 0:  # checkpointed with it
       state["budget"] = np.asarray(self.config.opd.curriculum_start,
                                    np.int32)
@@ -254,7 +317,7 @@ class MOPD:
     open_cfg = self.open_cfg
     if not open_cfg.gap_budget:
       return np.ones(len(self.names))
-    return open_mopd.gap_factors(open_mopd.remaining_gap(gap_state, open_cfg.gap_relative),
+    return budget.gap_factors(budget.remaining_gap(gap_state, open_cfg.gap_relative),
                             gap_state["count"] > 0, self.base, open_cfg.gap_alpha,
                             open_cfg.gap_min, open_cfg.gap_max)
 
@@ -299,13 +362,13 @@ class MOPD:
     signal = np.where(mask, opd.token_signal(data["teacher_logp"],
                                              data["old_logp"]), 0.0)
     token_domain = np.broadcast_to(seq_ids[:, None], mask.shape)[mask]
-    gap_state = open_mopd.update_gap_state(
-        state["gap"], *open_mopd.gap_observations(signal, mask, seq_ids,
+    gap_state = budget.update_gap_state(
+        state["gap"], *budget.gap_observations(signal, mask, seq_ids,
                                              open_cfg.gap_statistic),
         open_cfg.gap_momentum)
     tokens = np.bincount(token_domain, minlength=len(self.names)).astype(
         float)
-    loss_w = open_mopd.domain_loss_weights(tokens, self.gap_now(gap_state), open_cfg,
+    loss_w = budget.domain_loss_weights(tokens, self.gap_now(gap_state), open_cfg,
                                  len(self.names))
     data["weight"] = loss_w[seq_ids].astype(np.float32)
     return {"gap": gap_state}, (signal[mask], token_domain, tokens, loss_w)
@@ -353,7 +416,7 @@ def check(config) -> None:
   vocabulary size (a larger teacher's KL would run over a truncated row),
   before anything is written."""
   tokenizer = tokenizer_lib.for_config(config)
-  for run_dir in teachers.parse_teachers(
+  for run_dir in runs.runs_by_domain(
       config.teachers, tuple(config.data.domains)).values():
     run_config = runs.load_run_config(run_dir)
     runs.check_same_tokens(run_dir, run_config, tokenizer, "teachers")
@@ -361,11 +424,16 @@ def check(config) -> None:
                                "teachers")
 
 
-def make_method(config, tokenizer, model_cfg, mesh, sampling):
-  method = MOPD(config, tokenizer, model_cfg, mesh)
-  loss = make_loss(model_cfg, sampling, config.rl, config.opd,
-                   config.open_mopd.reward_refresh,
-                   config_lib.op_options(config))
+def make_method(config, tokenizer, model_cfg, mesh, sampling, dirs=None):
+  """``on_policy.run``'s ``(method, loss, needs_reference)``; ``dirs``: the
+  teachers' runs by domain, parsed from ``config.teachers`` when not
+  given."""
+  dirs = dirs or runs.runs_by_domain(config.teachers,
+                                     tuple(config.data.domains))
+  method = MOPD(config, dirs, tokenizer, model_cfg, mesh)
+  loss = opd.make_loss(model_cfg, sampling, config.rl, config.opd,
+                       config.open_mopd.reward_refresh,
+                       vocab.VocabOps.of(config.ops))
   needs_base = config.rl.beta > 0 or config.opd.extrapolation != 1.0
   return method, loss, needs_base
 
@@ -373,7 +441,7 @@ def make_method(config, tokenizer, model_cfg, mesh, sampling):
 def run(config, workdir: str):
   """Distil the teachers into the student; returns the final state."""
   write_eval = runs.write_eval(workdir, config.train.steps)
-  dirs = teachers.parse_teachers(config.teachers, tuple(config.data.domains))
+  dirs = runs.runs_by_domain(config.teachers, tuple(config.data.domains))
 
   def on_final(scalars):
     write_eval(scalars)
@@ -381,4 +449,6 @@ def run(config, workdir: str):
                    {d: run_dir for d, run_dir in dirs.items()
                     if d in config.eval.domains})
 
-  return on_policy.run(config, workdir, make_method, "mopd", on_final)
+  return on_policy.run(config, workdir, tuple(config.data.domains),
+                       functools.partial(make_method, dirs=dirs), "mopd",
+                       on_final)

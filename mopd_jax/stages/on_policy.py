@@ -18,16 +18,97 @@ from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from mopd_jax import config as config_lib
 from mopd_jax import parallel, runs, training
+from mopd_jax.config import DOMAIN_TUPLE, non_negative, positive
 from mopd_jax.errors import ConfigError
 from mopd_jax.data import batching, splits
-from mopd_jax.data.domains import completion_budget, get_domain
+from mopd_jax.data.domains import DOMAINS, completion_budget, get_domain
 from mopd_jax.evaluation import evaluator
 from mopd_jax.objectives import grpo
 from mopd_jax.rollout import sampler
+
+
+def defaults(method: str, steps: int) -> ml_collections.ConfigDict:
+  """What GRPO, Mix RL and MOPD share: they start from ``init``, sample
+  rollouts (``rl`` holds the batch shape and the clipped surrogate) and
+  evaluate every domain (transfer and forgetting) as they go."""
+  c = config_lib.common(method, init=True)
+  config_lib.training(c, steps=steps, rl=True)
+  c.eval.domains = tuple(DOMAINS)
+  c.rl = ml_collections.ConfigDict(dict(
+      group_size=8,
+      prompts_per_step=32,
+      epochs=1,
+      minibatches=1,
+      advantage="grpo",  # grpo | drgrpo | rloo | passk
+      pass_k=4,  # passk: the group is rewarded for its best of k samples
+      advantage_eps=1e-6,
+      eps_low=0.2,
+      eps_high=0.28,
+      dual_clip=0.0,  # c > 1 bounds negative-advantage losses; 0: off
+      tis_cap=0.0,  # truncated sampler/trainer importance weight; 0: off
+      beta=0.0,  # KL-to-reference weight; 0: no reference forward at all
+      kl_estimator="k3",  # k1 | k2 | k3
+      # weight of the entropy bonus -c H(pi) per token (keeps exploring)
+      entropy_coef=0.0,
+      aggregation="token_mean",  # | seq_mean_token_mean | constant
+      drop_equal_groups=False,
+      # 1: one-step-async rollouts, step t+1's sampled with step t's
+      # parameters on a device of their own while step t trains (needs
+      # tis_cap > 0 and two devices: mesh.cpu_devices=2 on a CPU); 0: off
+      max_policy_lag=0,
+  ))
+  return c
+
+
+CHECKS = (
+    *config_lib.COMMON_CHECKS, *config_lib.TRAINING_CHECKS,
+    ("eval.domains", *DOMAIN_TUPLE),
+    ("rl.group_size", lambda v: v >= 2, ">= 2"),
+    ("rl.prompts_per_step", positive, "> 0"),
+    ("rl.epochs", positive, "> 0"),
+    ("rl.minibatches", positive, "> 0"),
+    ("rl.advantage", lambda v: v in grpo.ADVANTAGES,
+     " or ".join(grpo.ADVANTAGES)),
+    ("rl.advantage_eps", positive, "> 0"),
+    ("rl.eps_low", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("rl.eps_high", non_negative, ">= 0"),
+    ("rl.dual_clip", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+    ("rl.tis_cap", non_negative, ">= 0 (0 disables)"),
+    ("rl.beta", non_negative, ">= 0"),
+    ("rl.kl_estimator", lambda v: v in grpo.KL_ESTIMATORS,
+     " or ".join(grpo.KL_ESTIMATORS)),
+    ("rl.entropy_coef", non_negative, ">= 0"),
+    ("rl.aggregation", lambda v: v in grpo.AGGREGATIONS,
+     " or ".join(grpo.AGGREGATIONS)),
+    ("rl.max_policy_lag", lambda v: v in (0, 1), "0 (synchronous) or 1"),
+)
+
+
+def validate(full) -> None:
+  """The cross-field checks of the shared sections and of ``rl``."""
+  config_lib.check_common(full)
+  batch = full.rl.prompts_per_step * full.rl.group_size
+  if full.rl.advantage == "passk" and not (
+      1 <= full.rl.pass_k <= full.rl.group_size):
+    raise ConfigError(f"rl.pass_k: {full.rl.pass_k} must be in [1,"
+                      f" rl.group_size = {full.rl.group_size}]")
+  if batch % full.rl.minibatches:
+    raise ConfigError(f"rl.minibatches: {full.rl.minibatches} does not divide"
+                      f" the {batch} sequences of a step")
+  if full.rl.max_policy_lag and not full.rl.tis_cap:
+    raise ConfigError("rl.tis_cap: one-step-async rollouts are trained on"
+                      " with the truncated importance weight to the"
+                      " previous policy (> 0)")
+  if full.sampling.top_k or full.sampling.top_p < 1:
+    raise ConfigError("sampling.top_k: RL rollouts must sample the full"
+                      " distribution (top_k=0, top_p=1)")
+  if full.sampling.temperature <= 0:
+    raise ConfigError("sampling.temperature: RL rollouts need temperature > 0")
 
 
 def draw_prompts(train_sets, weights: np.ndarray, count: int, seed: int,
@@ -363,17 +444,10 @@ def split_for_sampling(mesh, config):
           parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=pool[-1:]))
 
 
-def domains(config) -> tuple[str, ...]:
-  """The domains a run trains on: an expert's ``domain``, else
-  ``data.domains``."""
-  return (config.domain,) if config.method == "grpo" else tuple(
-      config.data.domains)
-
-
-def run(config, workdir: str, make_method, desc: str, on_final=None,
-        stopper=None):
-  """The whole on-policy run: set up, build the method
-  (``make_method(config, tokenizer, model_cfg, mesh, sampling)`` ->
+def run(config, workdir: str, names: tuple[str, ...], make_method, desc: str,
+        on_final=None, stopper=None):
+  """The whole on-policy run on the domains ``names``: set up, build the
+  method (``make_method(config, tokenizer, model_cfg, mesh, sampling)`` ->
   ``(method, loss_fn, needs_reference)``), load ``init``, then the step
   loop with its evaluations (``on_final(scalars)`` at the end; default:
   ``eval.json``). ``stopper(config, model_cfg, tokenizer, mesh, params,
@@ -384,9 +458,9 @@ def run(config, workdir: str, make_method, desc: str, on_final=None,
   rl = config.rl
   batch = rl.prompts_per_step * rl.group_size
   runs.check_divisible(mesh, batch // rl.minibatches, "rl.minibatches")
-  sampling = config_lib.sampling_config(
+  sampling = sampler.SamplingConfig.of(
       config.sampling, tokenizer, max_new_tokens=completion_budget(
-          domains(config), config.sampling.max_new_tokens))
+          names, config.sampling.max_new_tokens))
   # The method first: its runs (teachers) are checked before any loading.
   method, loss_fn, needs_reference = make_method(
       config, tokenizer, model_cfg, mesh, sampling)

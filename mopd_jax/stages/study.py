@@ -26,15 +26,17 @@ import time
 import ml_collections
 
 from mopd_jax import config as config_lib
-from mopd_jax import checkpointing, json_files, recipes, runs, stages
+from mopd_jax import checkpointing, json_files, runs, stages
+from mopd_jax.config import positive
 from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
                              write_text_atomic)
-from mopd_jax.data.domains import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS
+from mopd_jax.data.domains import (DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS,
+                                   is_domain)
 from mopd_jax.data import files
+from mopd_jax.merge.methods import METHODS as MERGE_METHODS
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import costs, headroom, report, seeded, study_report
-from mopd_jax.fusion.teachers import parse_teachers
 from mopd_jax.training import SUMMARY_FILE
 
 # The MOPD runs a study can add beside plain MOPD, each a step of that
@@ -67,10 +69,115 @@ RESULTS_FILE = "results.json"
 EVALUATIONS = "evaluations"
 
 
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every paradigm on shared artefacts: base, experts, Merge, Mix RL,
+  MOPD, Open-MOPD, then every model evaluated and compared."""
+  c = ml_collections.ConfigDict()
+  c.method = "study"
+  c.seed = 0  # the base's
+  # more than one: the base shared, the experts and every fusion method
+  # once per seed (seed_<s>/, each a one-seed study with every step's
+  # seed set to s), the report with intervals over seeds; empty: one
+  # study with every step's default seed, as before
+  c.seeds = ()
+  # seeds trained side by side, each in a process of its own (on a CPU,
+  # up to one per core; on an accelerator 1: the processes would share it)
+  c.seed_processes = 1
+  c.steps = ("base", "experts", "merge", "mix_rl", "mopd", "open_mopd",
+             "evaluate", "report")
+  # the training domains (empty: the built-in four); file domains
+  # (<kind>:<path>) need a base run given (an imported checkpoint)
+  c.domains = ()
+  c.base = ""  # an existing base run to use instead of training one
+  c.experts = ""  # existing expert runs: a {domain} template or pairs
+  c.variant = ""  # the configs' variant every step uses (smoke: "smoke")
+  c.data_dir = ""  # the TFDS directory of every step (empty: its default)
+  c.merge_methods = ("task_arithmetic", "ties", "dare_ties", "breadcrumbs",
+                     "model_stock", "karcher", "sparse_union")
+  c.merge_sweep = True  # lambda/density chosen on validation
+  # Per step config, "field=value" strings (a value is read as JSON where
+  # it parses); setting one replaces that step's tuple. The defaults are
+  # the study's budget, about an hour on a 2-core CPU (docs/results.md):
+  # experts as configs/grpo.py (each stops once its domain gained 20
+  # greedy points on validation); Mix RL and MOPD train 100 steps,
+  # evaluated every 25 on 128 prompts for the report's curves; Merge
+  # sweeps lambda and density over two values each.
+  c.overrides = ml_collections.ConfigDict(dict(
+      all=(),  # applied to every step first (e.g. data.max_prompt_len)
+      pretrain=(),
+      grpo=(),
+      merge=("merge.sweep_lambdas=[0.5,1.0]",
+             "merge.sweep_densities=[0.3,0.7]"),
+      mix_rl=("train.steps=100", "train.eval_every=25",
+              "eval.num_prompts=128"),
+      mopd=("train.steps=100", "train.eval_every=25",
+            "eval.num_prompts=128")))
+  # the final evaluation of every model: test prompts per domain, and
+  # samples per prompt at temperature 1 on the first coverage_prompts of
+  # them (pass@k up to k = samples; coverage at large k)
+  c.eval = ml_collections.ConfigDict(dict(num_prompts=480, samples=64,
+                                          coverage_prompts=64))
+  c.mesh = config_lib.mesh()
+  c.distributed = config_lib.distributed()
+  return c
+
+
+CHECKS = (
+    ("seeds", lambda v: all(isinstance(x, int) and x >= 0 for x in v)
+     and len(set(v)) == len(v), "empty or a tuple of distinct seeds >= 0"),
+    ("seed_processes", positive, "> 0"),
+    ("eval.num_prompts", positive, "> 0"),
+    ("eval.samples", lambda v: v >= 0, ">= 0"),
+    ("eval.coverage_prompts", lambda v: v >= 0, ">= 0 (0: all num_prompts)"),
+    ("domains", lambda v: all(map(is_domain, v)),
+     "empty (the built-in four) or a tuple of " + config_lib.DOMAIN_NAMES),
+    ("merge_methods", lambda v: set(v) <= set(MERGE_METHODS),
+     "a tuple of " + ", ".join(MERGE_METHODS)),
+    *config_lib.DEVICE_CHECKS,
+)
+
+# study variant -> the MOPD variants it adds (MOPD_VARIANTS)
+STUDY_ADDITIONS = {
+    "beyond": ("mopd_delta", "mopd_entropy", "mopd_novelty", "mopd_align",
+               "mopd_from_merge"),
+    "variants": ("mopd_forward", "mopd_mixed", "mopd_teacher_reverse",
+                 "mopd_teacher_forward", "mopd_curriculum", "mopd_trb"),
+}
+VARIANTS = ("smoke", "hf", "seeds", "smoke_seeds", "beyond", "smoke_beyond",
+            "variants", "smoke_variants")
+
+
+def recipe(config, variant: str) -> None:
+  """``smoke``: every step's own smoke config, a few prompts; ``seeds``:
+  three seeds, two at a time (a 2-core CPU); ``hf``: every step's ``hf``
+  variant; ``beyond`` and ``variants``: the MOPD variants of
+  ``STUDY_ADDITIONS`` beside plain MOPD (``smoke_*`` at smoke size)."""
+  if variant.startswith("smoke"):
+    config.variant = "smoke"
+    config.merge_methods = ("ties",)
+    for name in config.overrides:  # the smoke configs' own sizes
+      config.overrides[name] = ()
+    config.eval.update(num_prompts=8, samples=2, coverage_prompts=4)
+  added = next((steps for name, steps in STUDY_ADDITIONS.items()
+                if variant.endswith(name)), ())
+  if added:  # MOPD variants beside plain MOPD, before the evaluations
+    at = config.steps.index("evaluate")
+    config.steps = config.steps[:at] + added + config.steps[at:]
+  if variant == "seeds":
+    config.update(seeds=(0, 1, 2), seed_processes=2)  # a 2-core CPU
+  elif variant == "smoke_seeds":
+    config.seeds = (0, 1)
+  elif variant == "hf":
+    config.variant = "hf"
+    config.mesh.update(data=1, fsdp=-1)
+
+
 def config_file(name: str, variant: str = ""):
-  """``configs/<name>.py:<variant>``, from the package's recipes (what
-  that file returns), so an installed package needs no configs folder."""
-  return recipes.recipe(name, variant)
+  """``configs/<name>.py:<variant>``, from the package (what that file
+  returns), so an installed package needs no configs folder."""
+  return stages.recipe(name, variant)
 
 
 def child_config(name: str, variant: str, overrides=(), **fields):
@@ -90,7 +197,7 @@ def child_config(name: str, variant: str, overrides=(), **fields):
       value = text
     _set(config, key.strip(), tuple(value) if isinstance(value, list)
          else value, where=f"overrides.{name}: ")
-  return config_lib.validate(config)
+  return stages.validate(config)
 
 
 def _set(config, dotted: str, value, where: str = "") -> None:
@@ -123,7 +230,7 @@ class Study:
     self.held_out = tuple(d for d in HELD_OUT_DOMAINS
                           if d in self.eval_domains)
     self.base = config.base or os.path.join(workdir, "base")
-    self.experts = (parse_teachers(config.experts, self.domains, "experts")
+    self.experts = (runs.runs_by_domain(config.experts, self.domains, "experts")
                     if config.experts else
                     {d: os.path.join(workdir, f"expert_{files.label(d)}")
                      for d in self.domains})
@@ -589,7 +696,7 @@ def check(config) -> None:
                       " checkpoint imported with mopd_jax.convert); the"
                       " built-in base learns the built-in domains only")
   if config.experts:
-    for run_dir in parse_teachers(config.experts, domains(config),
+    for run_dir in runs.runs_by_domain(config.experts, domains(config),
                                   "experts").values():
       if not os.path.isdir(os.path.expanduser(run_dir)):
         raise ConfigError(f"experts: {run_dir} is not a run directory")
@@ -605,7 +712,7 @@ def check(config) -> None:
     raise ConfigError(f"steps: unknown step {bad[0]!r}; known: "
                       + ", ".join(STEPS))
   for name, path in [("base", config.base)] + [
-      ("experts", p) for p in (parse_teachers(
+      ("experts", p) for p in (runs.runs_by_domain(
           config.experts, domains(config), "experts").values()
           if config.experts else ())]:
     if path:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from mopd_jax.data import domains
+from mopd_jax.data import domains, example
 from mopd_jax.errors import DataError
 from mopd_jax.models.tokenizer import ALPHABET
 
@@ -150,7 +150,7 @@ def test_splits_share_no_prompt(name):
              for split, n in (("train", 5000), ("test", 500),
                               ("validation", 500))}
   for split, found in prompts.items():
-    assert all(domains.split_of(p) == split for p in found), split
+    assert all(example.split_of(p) == split for p in found), split
   for held_out in ("test", "validation"):  # deduplicated
     assert len(set(prompts[held_out])) == len(prompts[held_out])
   assert not set(prompts["train"]) & set(prompts["test"])
@@ -159,9 +159,9 @@ def test_splits_share_no_prompt(name):
 
 
 def test_split_of_is_stable_with_ten_percent_held_out_each():
-  assert domains.split_of("add 1+2=") == domains.split_of("add 1+2=")
+  assert example.split_of("add 1+2=") == example.split_of("add 1+2=")
   prompts = [f"add {a}+{b}=" for a in range(200) for b in range(200)]
-  splits = [domains.split_of(p) for p in prompts]
+  splits = [example.split_of(p) for p in prompts]
   for split, low, high in (("test", 0.08, 0.12), ("validation", 0.08, 0.12),
                            ("train", 0.76, 0.84)):
     assert low < np.mean([s == split for s in splits]) < high, split
@@ -184,8 +184,8 @@ def test_test_split_kept_its_stream_when_validation_was_added():
 
 
 def test_generate_fails_instead_of_looping_when_split_cannot_fill(monkeypatch):
-  monkeypatch.setattr(domains, "_MIN_DRAWS", 0)
-  monkeypatch.setattr(domains, "_DRAWS_PER_EXAMPLE", 2)
+  monkeypatch.setattr(example, "_MIN_DRAWS", 0)
+  monkeypatch.setattr(example, "_DRAWS_PER_EXAMPLE", 2)
   # About 10% of prompts are test prompts, so 2 draws per example fall short.
   with pytest.raises(DataError, match="could not draw 50 test examples"):
     domains.generate("add", "test", 50, seed=0)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import math_file
-from mopd_jax.data import domains, files
+from mopd_jax.data import domains, example, files
 from mopd_jax.errors import DataError
 
 
@@ -73,7 +73,7 @@ def test_a_file_domain_splits_and_draws(tmp_path):
   validation = domains.generate(name, "validation", 5, seed=0)
   train = domains.generate(name, "train", 50, seed=0)
   assert len({e.prompt for e in test}) == len(test) < 100  # all there are
-  assert all(domains.split_of(e.prompt) == s for s, part in
+  assert all(example.split_of(e.prompt) == s for s, part in
              (("test", test), ("validation", validation), ("train", train))
              for e in part)
   assert domains.generate(name, "train", 50, seed=0) == train

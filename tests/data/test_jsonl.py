@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mopd_jax.data import domains
+from mopd_jax.data import domains, example
 from mopd_jax.data.jsonl import load_jsonl
 from mopd_jax.errors import DataError
 
@@ -27,7 +27,7 @@ def test_good_file_loads(tmp_path):
   lines.insert(5, "   ")
   lines.append(json.dumps({**GOOD, "id": 7}))  # Extra keys are ignored.
   loaded = load_jsonl(_write(tmp_path, lines))
-  assert loaded == examples + [domains.Example("add 1+2=", "3", "add")]
+  assert loaded == examples + [example.Example("add 1+2=", "3", "add")]
 
 
 @pytest.mark.parametrize("bad_line, message", [

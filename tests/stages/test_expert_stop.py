@@ -7,7 +7,6 @@ import json
 import pytest
 
 from conftest import load_config
-from mopd_jax import config as config_lib
 from mopd_jax import stages
 from mopd_jax.errors import ConfigError
 from mopd_jax.stages import expert_stop
@@ -37,7 +36,7 @@ def _expert(data_dir, smoke_run, steps):
   config.data.data_dir = data_dir
   config.train.steps = steps
   config.stop.update(gain=0.25, num_prompts=8)
-  return config_lib.validate(config)
+  return stages.validate(config)
 
 
 def test_expert_stops_at_the_first_evaluation_gaining_the_target(
@@ -70,4 +69,4 @@ def test_stop_needs_evaluations():
   config.stop.gain = 0.2
   config.train.eval_every = 0
   with pytest.raises(ConfigError, match="train.eval_every: stop.gain"):
-    config_lib.validate(config)
+    stages.validate(config)

@@ -11,7 +11,7 @@ import jax
 import pytest
 from conftest import ROOT, train_cli
 
-from mopd_jax import config as config_lib
+from mopd_jax.models.config import ModelConfig
 from mopd_jax import parallel, runs
 from mopd_jax.checkpointing import Checkpointer
 from mopd_jax.evaluation import geometry
@@ -29,7 +29,7 @@ def _expert(base, out, seed):
   out.mkdir()
   shutil.copy(base / "config.json", out / "config.json")
   config = runs.load_run_config(str(base))
-  cfg = config_lib.model_config(config)
+  cfg = ModelConfig.of(config.model)
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1,
                                    devices=jax.devices()[:1])
   params = runs.load_params(str(base), cfg, mesh)
@@ -100,8 +100,7 @@ def test_merge_is_a_run_that_other_stages_and_evaluate_accept(
     (("--config.merge.method=fisher",), "merge.method: must be one of"),
     (("--config.merge.overrides=(:density=0.5",), "merge.overrides: bad"
      " pattern"),
-    (("--config.merge.method=slerp",), "merge.method: slerp interpolates two"
-     " experts, got 4"),
+    (("--config.merge.method=slerp",), "merge.method: slerp takes 2 experts, got 4"),
 ])
 def test_bad_settings_are_one_line_and_write_nothing(experts, tmp_path,
                                                      data_dir, extra,

@@ -12,14 +12,15 @@ import optax
 import pytest
 
 from conftest import ROOT, train_cli
-from mopd_jax import config as config_lib
+from mopd_jax import stages
 from mopd_jax import parallel
 from mopd_jax.data import batching
-from mopd_jax.fusion import open_mopd
-from mopd_jax.fusion import teachers as teacher_lib
+from mopd_jax.distill import budget
+from mopd_jax.distill import teachers as teacher_lib
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
+from mopd_jax.objectives import opd
 from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
 from mopd_jax.stages import mopd as mopd_stage
@@ -37,7 +38,7 @@ def _cfg(embed, layers=1):
 
 
 def _sections(**opd_overrides):
-  c = config_lib.defaults("mopd")
+  c = stages.defaults("mopd")
   c.rl.update(minibatches=1)
   c.opd.update(opd_overrides)
   return c.rl, c.opd
@@ -132,7 +133,7 @@ def test_routed_scores_and_the_kl_loss_match_full_logits(per_token):
                              -(np.exp(lt) * lt).sum(-1) * mask, rtol=1e-5,
                              atol=1e-5)
   rl, opd_cfg = _sections(loss="kl", kl_alpha=0.3)
-  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, OPS)
+  loss_fn = opd.make_loss(student[0], SAMPLING, rl, opd_cfg, False, OPS)
   teacher_w = _teacher_w(teachers)
 
   def naive(params):
@@ -163,7 +164,7 @@ def test_expert_align_scores_are_the_full_kl_to_every_teacher():
       [teacher_lib.make_scorer((cfg,), (1.0,), False, True)], [(p,)],
       np.zeros(4, np.int32), data, mesh, width)["teacher_hidden"]
       for cfg, p in teachers])
-  align = mopd_stage.make_align_kl(student[0], 1.0, OPS)
+  align = opd.make_align_kl(student[0], 1.0, OPS)
   got = np.asarray(align(student[1], {k: data[k] for k in (
       "prompt", "prompt_mask", "completion", "mask")}, jnp.asarray(hidden),
       _teacher_w(teachers)))
@@ -197,7 +198,7 @@ def test_topk_loss_with_every_extra_matches_full_logits():
   threshold = float(np.sort(h_t[mask > 0])[n // 2 - 1:n // 2 + 1].mean())
   rl, opd_cfg = _sections(loss="topk", top_k=5, gate=True, lambda_orm=0.5,
                           entropy_threshold=threshold)
-  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, OPS)
+  loss_fn = opd.make_loss(student[0], SAMPLING, rl, opd_cfg, False, OPS)
   teacher_w = _teacher_w(teachers)
 
   def naive(params):
@@ -243,7 +244,7 @@ def test_pg_loss_is_reinforce_on_the_signal_and_refresh_rescores():
     a = data["teacher_logp"] - data["old_logp"]
     return _masked_mean(-a * logp_of(params), mask)
 
-  loss_fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, False, OPS)
+  loss_fn = opd.make_loss(student[0], SAMPLING, rl, opd_cfg, False, OPS)
   got = jax.jit(jax.grad(lambda p, d: loss_fn(p, d, teacher_w)[0]))(
       student[1], data)
   for g, w in zip(jax.tree.leaves(got),
@@ -253,7 +254,7 @@ def test_pg_loss_is_reinforce_on_the_signal_and_refresh_rescores():
   moved = jax.tree.map(lambda x: x * 1.1, student[1])
   current = np.asarray(logp_of(moved))
   for refresh, student_logp in ((False, data["old_logp"]), (True, current)):
-    fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, OPS)
+    fn = opd.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, OPS)
     total, count = jax.jit(fn)(moved, data, teacher_w)[1]["signal"]
     np.testing.assert_allclose(
         total / count,
@@ -273,7 +274,7 @@ def test_refresh_does_not_change_the_kl_loss():
   moved = jax.tree.map(lambda x: x * 1.1, student[1])
   out = []
   for refresh in (False, True):
-    fn = mopd_stage.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, OPS)
+    fn = opd.make_loss(student[0], SAMPLING, rl, opd_cfg, refresh, OPS)
     (loss, metrics), grad = jax.jit(jax.value_and_grad(
         fn, has_aux=True))(moved, data, teacher_w)
     out.append((loss, grad, metrics["signal"][0]))
@@ -297,7 +298,7 @@ def test_distillation_closes_the_gap_to_a_teacher():
   optimizer = optax.adam(1e-2)
   train = dict(params=student, opt_state=optimizer.init(student))
   update = on_policy.make_update(
-      mopd_stage.make_loss(cfg, SAMPLING, rl, opd_cfg, True, OPS), optimizer)
+      opd.make_loss(cfg, SAMPLING, rl, opd_cfg, True, OPS), optimizer)
   scorer = teacher_lib.make_scorer((cfg,), (1.0,), False, False)
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
   prompts = ["add 1+2=", "rev abc:", "sort cab:", "first 1 of ab:"]
@@ -418,11 +419,11 @@ def test_cli_teacher_with_another_vocabulary_is_one_line(smoke_run, tmp_path):
     # The gap factors alone: (1, 2, 0.5) over their token mean 0.1+0.6+0.3.
     (False, 1.0, "loss", [1.0, 2.0, 0.5])])
 def test_domain_loss_weights_hand_computed(token_share, power, steers, want):
-  om = config_lib.defaults("mopd").open_mopd
+  om = stages.defaults("mopd").open_mopd
   om.update(token_share=token_share, token_share_power=power, gap_budget=True,
             gap_steers=steers)
   tokens = np.array([10.0, 30.0, 60.0])
-  got = open_mopd.domain_loss_weights(tokens, np.array([1.0, 2.0, 0.5]), om,
+  got = budget.domain_loss_weights(tokens, np.array([1.0, 2.0, 0.5]), om,
                                        3)
   np.testing.assert_allclose(got, want, rtol=1e-6)
   np.testing.assert_allclose(np.sum(got * tokens) / tokens.sum(), 1.0)

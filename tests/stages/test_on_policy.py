@@ -6,18 +6,19 @@ import numpy as np
 import pytest
 
 from conftest import load_config
-from mopd_jax import config as config_lib
+from mopd_jax import stages
 from mopd_jax.errors import ConfigError
+from mopd_jax.rollout.sampler import SamplingConfig
 from mopd_jax import parallel, runs, training
 from mopd_jax.stages import mopd as mopd_stage
 from mopd_jax.stages import on_policy
-from mopd_jax.stages import rl as rl_stage
+from mopd_jax.stages import mix_rl as mix_rl_stage
 
 
 def _context(config, make_method, meshes=None):
   tokenizer, model_cfg, mesh = runs.setup(config)
   mesh, sample_mesh = meshes or (mesh, mesh)
-  sampling = config_lib.sampling_config(config.sampling, tokenizer)
+  sampling = SamplingConfig.of(config.sampling, tokenizer)
   method, loss, needs_ref = make_method(config, tokenizer, model_cfg, mesh,
                                         sampling)
   params = runs.load_params(config.init, model_cfg, mesh)
@@ -40,7 +41,7 @@ def _config(name, base, data_dir, **fields):
   config = load_config(name, "smoke")
   config.update(init=str(base), **fields)
   config.data.data_dir = data_dir
-  config = config_lib.validate(config)
+  config = stages.validate(config)
   runs.resolve_model(config)
   return config
 
@@ -53,7 +54,8 @@ def test_step_advances_the_state_and_reports_every_domain(
   if name == "mopd":
     fields = {"teachers": ",".join(f"{d}={base}" for d in
                                    ("add", "chain", "instruct", "sort"))}
-  make = mopd_stage.make_method if name == "mopd" else rl_stage.make_method
+  make = (mopd_stage.make_method if name == "mopd"
+          else mix_rl_stage.make_method)
   ctx, method, state = _context(_config(name, base, data_dir, **fields),
                                 make)
   # The update donates the state's buffers: keep a copy to step again from.
@@ -87,7 +89,7 @@ def test_a_run_from_init_keeps_its_own_execution_fields(smoke_run, data_dir):
   config.update(init=str(smoke_run[0]))
   config.model.update(dtype="bfloat16", remat=True, attention_chunk=16)
   config.data.data_dir = data_dir
-  config = config_lib.validate(config)
+  config = stages.validate(config)
   runs.resolve_model(config)
   base = runs.load_run_config(str(smoke_run[0])).model
   assert config.model.embed_dim == base.embed_dim
@@ -98,7 +100,7 @@ def test_a_run_from_init_keeps_its_own_execution_fields(smoke_run, data_dir):
   other.update(init=str(smoke_run[0]))
   other.model.embed_dim = 64
   with pytest.raises(ConfigError, match="model.embed_dim: unknown field"):
-    config_lib.validate(other)
+    stages.validate(other)
 
 
 def test_one_step_async_trains_on_the_previous_steps_rollouts(smoke_run,
@@ -114,7 +116,7 @@ def test_one_step_async_trains_on_the_previous_steps_rollouts(smoke_run,
   meshes = on_policy.split_for_sampling(
       parallel.make_mesh(devices=jax.devices()[:2]), config)
   assert [m.devices.size for m in meshes] == [1, 1]
-  ctx, method, state = _context(config, rl_stage.make_method, meshes)
+  ctx, method, state = _context(config, mix_rl_stage.make_method, meshes)
   params_0 = jax.tree.map(jnp.copy, state["params"])
   first, pairs = on_policy.step(ctx, method, state, 0)
   assert pairs["policy_lag"] == (0.0, 1.0)

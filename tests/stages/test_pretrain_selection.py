@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config, train_cli
-from mopd_jax import config as config_lib
+from mopd_jax import stages
 from mopd_jax.errors import ConfigError
 from mopd_jax.stages import pretrain
 
@@ -45,7 +45,7 @@ def test_stage_stops_at_the_first_evaluation_reaching_the_target(
   config.data.data_dir = data_dir
   config.train.steps = 8
   config.select.update(target=0.5, ceiling=0.8)
-  config = config_lib.validate(config)
+  config = stages.validate(config)
   calls = []
   real = pretrain.validation_accuracy
 
@@ -96,4 +96,4 @@ def test_selection_config_checks(override, field):
   section, name = key.split(".")
   config[section][name] = type(config[section][name])(value)
   with pytest.raises(ConfigError, match=field):
-    config_lib.validate(config)
+    stages.validate(config)

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from conftest import ROOT, train_cli
-from mopd_jax import config as config_lib
+from mopd_jax import stages
 from mopd_jax.data import batching, mixture
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
@@ -20,7 +20,7 @@ from mopd_jax.models.tokenizer import CharTokenizer
 from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
 from mopd_jax.stages import on_policy
-from mopd_jax.stages import rl as rl_stage
+from mopd_jax.stages import grpo as grpo_stage
 
 TOK = CharTokenizer()
 
@@ -30,13 +30,13 @@ def test_grpo_raises_reward_on_an_easy_task():
   random): 12 GRPO steps must lift the mean reward well above chance."""
   cfg = ModelConfig(vocab_size=TOK.vocab_size, embed_dim=32, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
-  rl = config_lib.defaults("grpo").rl
+  rl = stages.defaults("grpo").rl
   rl.update(group_size=8, prompts_per_step=8, minibatches=2, epochs=2)
   sampling = sampler.SamplingConfig(max_new_tokens=4, stop_ids=(TOK.eos_id,))
   optimizer = optax.adam(1e-2)
   train = dict(params=decoder.init_params(cfg, jax.random.key(0)))
   train["opt_state"] = optimizer.init(train["params"])
-  update = on_policy.make_update(rl_stage.make_loss(cfg, sampling, rl, vocab.DEFAULT_OPS),
+  update = on_policy.make_update(grpo_stage.make_loss(cfg, sampling, rl, vocab.DEFAULT_OPS),
                                 optimizer)
   prompts = ["add 1+2=", "rev abc:", "sort cab:", "first 1 of ab:"] * 2
   prompt, mask = batching.encode_prompts(
@@ -103,7 +103,7 @@ def test_adaptive_exploration_bonus_hand_computed():
 
 @pytest.mark.parametrize("drop", [False, True])
 def test_rollout_batch_drops_only_all_equal_groups(drop):
-  rl = config_lib.defaults("grpo").rl
+  rl = stages.defaults("grpo").rl
   rl.update(group_size=2, drop_equal_groups=drop, advantage="drgrpo")
   rewards = np.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], np.float32)
   mask = np.zeros((6, 12), np.float32)

@@ -7,7 +7,6 @@ import math
 import pytest
 
 from conftest import ROOT, load_config, math_file, run_notebook, train_cli
-from mopd_jax import config as config_lib
 from mopd_jax import runs, stages
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.evaluation import costs, report
@@ -223,7 +222,7 @@ def test_children_run_on_the_studys_mesh(tmp_path):
   config = load_config("study", "smoke")
   config.mesh.update(cpu_devices=2, fsdp=2, rules="fsdp")
   config.overrides.mopd = ("mesh.rules=dp",)
-  study = study_stage.Study(config_lib.validate(config), str(tmp_path))
+  study = study_stage.Study(stages.validate(config), str(tmp_path))
   for name, rules in (("mix_rl", "fsdp"), ("mopd", "dp")):
     fields = {"teachers": study.template} if name == "mopd" else {}
     mesh = study.child_config(name, init=study.base, **fields).mesh
@@ -331,7 +330,7 @@ def test_every_step_config_is_checked_before_anything_runs(tmp_path,
   config = load_config("study", "smoke")
   config.overrides.mix_rl = (override,)
   with pytest.raises(ConfigError, match=words):
-    stages.run(config_lib.validate(config), str(tmp_path / "w"))
+    stages.run(stages.validate(config), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
@@ -339,19 +338,19 @@ def test_plugged_in_runs_must_be_runs_with_checkpoints(tmp_path):
   config = load_config("study", "smoke")
   config.base = str(tmp_path)
   with pytest.raises(CheckpointError, match="not a mopd_jax run directory"):
-    stages.run(config_lib.validate(config), str(tmp_path / "w"))
+    stages.run(stages.validate(config), str(tmp_path / "w"))
   (tmp_path / "config.json").write_text('{"model": {}}')
   with pytest.raises(ConfigError, match="holds no checkpoint"):
-    stages.run(config_lib.validate(config), str(tmp_path / "w"))
+    stages.run(stages.validate(config), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
 def test_a_study_rerun_with_other_settings_is_refused(tmp_path):
   """The whole config, overrides included, against the saved one; the
   steps to run may change."""
-  config = config_lib.validate(load_config("study", "smoke"))
+  config = stages.validate(load_config("study", "smoke"))
   runs.save_run_config(config, str(tmp_path))
-  again = config_lib.validate(load_config("study", "smoke"))
+  again = stages.validate(load_config("study", "smoke"))
   again.steps = ("evaluate", "report")
   runs.check_resumable(again, str(tmp_path))  # fine
   again.seed = 7
@@ -367,7 +366,7 @@ def test_seeds_one_at_a_time_each_a_one_seed_study(tmp_path):
   override of any seed's step is refused before anything runs."""
   config = load_config("study", "smoke_seeds")
   assert config.seeds == (0, 1) and config.seed_processes == 1
-  study = study_stage.Study(config_lib.validate(config), str(tmp_path))
+  study = study_stage.Study(stages.validate(config), str(tmp_path))
   tasks = study_stage._tasks(study)
   assert [t[1] for t in tasks] == ["base", "seed 0", "seed 1",
                                    "report over seeds"]
@@ -379,7 +378,7 @@ def test_seeds_one_at_a_time_each_a_one_seed_study(tmp_path):
   assert child.seed == 1
   config.overrides.mopd = ("nonsense=1",)
   with pytest.raises(ConfigError, match="overrides.mopd: nonsense"):
-    stages.run(config_lib.validate(config), str(tmp_path / "w"))
+    stages.run(stages.validate(config), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
   config = load_config("study", "seeds")
   assert config.seeds == (0, 1, 2) and config.seed_processes == 2
@@ -392,7 +391,7 @@ def test_mopd_from_merge_starts_from_the_best_validated_merge(tmp_path):
   config = load_config("study", "smoke")
   config.merge_methods = ("ties", "karcher", "linear")
   config.steps = ("merge", "mopd_from_merge", "evaluate", "report")
-  study = study_stage.Study(config_lib.validate(config), str(tmp_path))
+  study = study_stage.Study(stages.validate(config), str(tmp_path))
   with pytest.raises(ConfigError, match="mopd_from_merge needs a finished"):
     study.best_merge()
   for method, score in (("ties", 0.4), ("karcher", 0.6), ("linear", None)):
@@ -420,7 +419,7 @@ def test_mopd_from_merge_starts_from_the_best_validated_merge(tmp_path):
           " at the same MOPD steps, at 1.20x its compute") in text
   config.merge_methods = ()
   with pytest.raises(ConfigError, match="merge_methods, which is empty"):
-    stages.run(config_lib.validate(config), str(tmp_path / "w"))
+    stages.run(stages.validate(config), str(tmp_path / "w"))
 
 
 @pytest.mark.parametrize("variant", ["smoke_beyond", "smoke_variants",
@@ -429,7 +428,7 @@ def test_every_added_mopd_variant_is_a_valid_step(variant):
   """Each step a study variant adds is a row of ``MOPD_VARIANTS`` whose
   ``configs/mopd.py`` fields validate (the study's own check builds every
   step's config before anything runs)."""
-  config = config_lib.validate(load_config("study", variant))
+  config = stages.validate(load_config("study", variant))
   added = [s for s in config.steps if s.startswith("mopd_")]
   assert len(added) >= 5 and set(added) <= set(study_stage.MOPD_VARIANTS)
   study_stage.check(config)
@@ -439,7 +438,7 @@ def test_a_report_rerun_keeps_the_mopd_variants_that_ran(tmp_path):
   """``--config.steps="('report',)"`` after a ``:beyond`` study: a variant
   whose run is in the workdir stays in the comparison; one never run is
   not in it."""
-  config = config_lib.validate(load_config("study", "smoke"))
+  config = stages.validate(load_config("study", "smoke"))
   config.steps = ("report",)
   (tmp_path / "mopd_delta").mkdir()
   (tmp_path / "mopd_delta" / "config.json").write_text("{}")

@@ -10,7 +10,11 @@ import numpy as np
 
 from mopd_jax.data import mixture
 from mopd_jax.errors import ConfigError
-from mopd_jax.objectives import opd
+
+# open_mopd.gap_statistic: what measures a domain's remaining gap
+# (gap_observations); open_mopd.gap_steers: what the gap factors weigh
+GAP_STATISTICS = ("abs_signal", "reverse_kl", "sequence_kl")
+GAP_STEERS = ("loss", "sampling", "both")
 
 
 def token_share_weights(tokens: np.ndarray, targets: np.ndarray,
@@ -105,7 +109,7 @@ def gap_observations(signal: np.ndarray, mask: np.ndarray,
   if name == "reverse_kl":
     return token_domain, -signal[mask]
   raise ConfigError(f"open_mopd.gap_statistic: {name!r} not in"
-                    f" {opd.GAP_STATISTICS}")
+                    f" {GAP_STATISTICS}")
 
 
 def domain_loss_weights(tokens: np.ndarray, gap_f: np.ndarray, open_cfg,

@@ -1,5 +1,5 @@
 """Each merge method against mergekit's own implementation (the peer whose
-parameterisation ``fusion/merge.py`` follows), on the same tensors: the
+parameterisation ``mopd_jax/merge/`` follows), on the same tensors: the
 merged tensor must agree to float32 rounding.
 
 DARE is left out (its random masks come from ``jax.random``, not torch's
@@ -16,7 +16,7 @@ from mergekit.merge_methods import registry  # noqa: E402
 from mergekit.merge_methods.base import TensorGroup  # noqa: E402
 from mergekit.merge_methods.slerp import slerp as mk_slerp  # noqa: E402
 
-from mopd_jax.fusion import merge  # noqa: E402
+from mopd_jax.merge import methods, parameters  # noqa: E402
 
 WEIGHTS = (1.0, 0.5, 2.0)
 
@@ -33,8 +33,8 @@ def _tensors(shape=(12, 10), seed=0):
 
 
 def _ours(method, base, experts, **settings):
-  s = merge.Settings(method=method, weights=WEIGHTS, **settings)
-  return np.asarray(merge.MERGES[method](jnp.asarray(base),
+  s = parameters.Settings(method=method, weights=WEIGHTS, **settings)
+  return np.asarray(methods.METHODS[method].fn(jnp.asarray(base),
                                          jnp.asarray(experts), s))
 
 
@@ -102,13 +102,13 @@ def test_karcher_matches_mergekit():
 @pytest.mark.parametrize("t", [0.0, 0.3, 1.0])
 def test_slerp_of_one_tensor_matches_mergekit(t):
   """mergekit slerps each leading-axis row of a tensor; one row is the
-  whole tensor, which is what ``merge.slerp`` interpolates."""
+  whole tensor, which is what ``methods.slerp`` interpolates."""
   _, experts = _tensors(seed=4)
   v0, v1 = (torch.from_numpy(e.reshape(1, -1)) for e in experts[:2])
   theirs = mk_slerp(torch.tensor([t]), v0, v1).numpy().reshape(
       experts.shape[1:])
-  ours = merge.slerp(None, jnp.asarray(experts[:2]),
-                     merge.Settings(method="slerp", weights=(1.0, 1.0), t=t))
+  ours = methods.slerp(None, jnp.asarray(experts[:2]),
+                     parameters.Settings(method="slerp", weights=(1.0, 1.0), t=t))
   np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-5, atol=1e-6)
 
 

@@ -8,18 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mopd_jax import config as config_lib
+from mopd_jax import stages
 from mopd_jax.errors import ConfigError
-from mopd_jax.fusion import merge
+from mopd_jax.merge import methods, parameters, tree
 from mopd_jax.stages.merge import sweep_grid
 
 
 def _run(method, b, taus, **settings):
   b = jnp.asarray(b, jnp.float32)
   x = b[None] + jnp.asarray(taus, jnp.float32)
-  s = merge.Settings(method=method, weights=settings.pop(
+  s = parameters.Settings(method=method, weights=settings.pop(
       "weights", (1.0,) * len(taus)), **settings)
-  return np.asarray(merge.MERGES[method](b, x, s, jax.random.key(0)))
+  return np.asarray(methods.METHODS[method].fn(b, x, s, jax.random.key(0)))
 
 
 B = [1.0, 1.0, 1.0, 1.0]
@@ -52,7 +52,7 @@ def test_ties_trims_elects_signs_and_takes_the_disjoint_mean():
 
 def test_sign_consensus_counts_weighted_sums_and_zero_never_agrees():
   weighted = jnp.array([[2.0, -1.0, 0.0], [-1.0, -1.0, 0.0]])
-  np.testing.assert_array_equal(merge.sign_consensus(weighted),
+  np.testing.assert_array_equal(methods.sign_consensus(weighted),
                                 [[True, True, False], [False, True, False]])
 
 
@@ -75,19 +75,19 @@ def test_dare_keeps_each_entry_with_probability_density_and_rescales():
 def test_breadcrumbs_keeps_the_band_between_the_outliers_and_the_small():
   tau = jnp.arange(1.0, 11.0)[::-1]  # 10, 9, ..., 1
   # density 0.5, gamma 0.1: drop the top 1 (10) and the bottom 4 (1-4)
-  np.testing.assert_array_equal(np.asarray(merge.band_mask(tau, 0.5, 0.1)),
+  np.testing.assert_array_equal(np.asarray(methods.band_mask(tau, 0.5, 0.1)),
                                 np.isin(np.asarray(tau), [5, 6, 7, 8, 9]))
   # density 0.95: n_bot would be -0.5 -> 0; 9 kept, only the top one dropped
-  np.testing.assert_array_equal(np.asarray(merge.band_mask(tau, 0.95, 0.1)),
+  np.testing.assert_array_equal(np.asarray(methods.band_mask(tau, 0.95, 0.1)),
                                 np.asarray(tau) != 10)
-  assert bool(merge.band_mask(tau, 1.0, 0.1).all())
+  assert bool(methods.band_mask(tau, 1.0, 0.1).all())
 
 
 def test_magnitude_mask_keeps_floor_density_n_largest_at_least_one():
   tau = jnp.array([0.1, -5.0, 3.0, -0.2, 1.0])
-  np.testing.assert_array_equal(np.asarray(merge.magnitude_mask(tau, 0.5)),
+  np.testing.assert_array_equal(np.asarray(methods.magnitude_mask(tau, 0.5)),
                                 [False, True, True, False, False])
-  np.testing.assert_array_equal(np.asarray(merge.magnitude_mask(tau, 0.1)),
+  np.testing.assert_array_equal(np.asarray(methods.magnitude_mask(tau, 0.1)),
                                 [False, True, False, False, False])
 
 
@@ -132,17 +132,17 @@ def test_sparse_union_takes_single_changes_and_means_shared_ones():
 
 
 def test_overrides_first_match_wins_and_ramps_over_layers():
-  rules = merge.parse_overrides("layers/(q|k):density=0.5,lambda=0.2..1.0;"
+  rules = parameters.parse_overrides("layers/(q|k):density=0.5,lambda=0.2..1.0;"
                                 "layers/:density=0.9")
-  base = merge.Settings("ties", (1.0,), density=0.3)
-  q = merge.leaf_settings("layers/q", 3, base, rules)
+  base = parameters.Settings("ties", (1.0,), density=0.3)
+  q = parameters.leaf_settings("layers/q", 3, base, rules)
   assert q["density"] == 0.5
   np.testing.assert_allclose(q["lam"], [0.2, 0.6, 1.0])
-  assert merge.leaf_settings("layers/up", 3, base, rules)["density"] == 0.9
-  assert merge.leaf_settings("embed", None, base, rules)["density"] == 0.3
+  assert parameters.leaf_settings("layers/up", 3, base, rules)["density"] == 0.9
+  assert parameters.leaf_settings("embed", None, base, rules)["density"] == 0.3
   with pytest.raises(ConfigError, match="needs stacked layers"):
-    merge.leaf_settings("embed", None, base,
-                        merge.parse_overrides("embed:lambda=0..1"))
+    parameters.leaf_settings("embed", None, base,
+                        parameters.parse_overrides("embed:lambda=0..1"))
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -156,30 +156,30 @@ def test_overrides_first_match_wins_and_ramps_over_layers():
 ])
 def test_bad_overrides_are_one_config_error(spec, match):
   with pytest.raises(ConfigError, match=match):
-    merge.parse_overrides(spec)
+    parameters.parse_overrides(spec)
 
 
 def test_parameters_are_declared_once():
   """The config's defaults and checks and the Settings' defaults are the
   table's."""
-  section = config_lib.defaults("merge").merge
-  settings = merge.Settings("ties", (1.0,))
-  for name, p in merge.PARAMETERS.items():
+  section = stages.defaults("merge").merge
+  settings = parameters.Settings("ties", (1.0,))
+  for name, p in parameters.PARAMETERS.items():
     assert section[name] == p.default
     assert getattr(settings, "lam" if name == "lambda" else name) == p.default
-  bad = config_lib.defaults("merge")
+  bad = stages.defaults("merge")
   bad.update(init="runs/base", experts="runs/a,runs/b")
   bad.merge.gamma = 1.0
   with pytest.raises(ConfigError, match=r"merge.gamma.*in \[0, 1\)"):
-    config_lib.validate(bad)
+    stages.validate(bad)
   # a ramp's per-layer values are checked value by value
-  merge.check_settings(dict(density=np.array([0.2, 0.5]), gamma=0.0,
+  parameters.check_settings(dict(density=np.array([0.2, 0.5]), gamma=0.0,
                             lam=1.0, t=0.5, tolerance=0.0), "layers/q")
 
 
 def test_density_out_of_range_names_the_leaf():
   with pytest.raises(ConfigError, match=r"merge.density: .* for layers/q"):
-    merge.check_settings(dict(density=1.5, gamma=0.0, lam=1.0, t=0.5,
+    parameters.check_settings(dict(density=1.5, gamma=0.0, lam=1.0, t=0.5,
                               tolerance=0.0),
                          "layers/q")
 
@@ -188,9 +188,9 @@ def test_stacked_leaves_merge_layer_by_layer_with_per_layer_lambda():
   # Layer 0 has the large entries: a whole-leaf top-2 would keep only them.
   b = jnp.zeros((2, 4))
   tau = jnp.array([[[9.0, 8.0, 0.1, 0.2], [0.3, 0.1, 0.2, 0.4]]])
-  settings = merge.Settings("ties", (1.0,), density=0.5)
-  rules = merge.parse_overrides("w:lambda=1..2")
-  out = merge.merge_leaf("w", b, list(tau), settings, rules,
+  settings = parameters.Settings("ties", (1.0,), density=0.5)
+  rules = parameters.parse_overrides("w:lambda=1..2")
+  out = tree.merge_leaf("w", b, list(tau), settings, rules,
                          jax.random.key(0), stacked=True)
   np.testing.assert_allclose(out, [[9, 8, 0, 0], [2 * 0.3, 0, 0, 2 * 0.4]],
                              rtol=1e-6)
@@ -205,10 +205,10 @@ def test_merge_params_walks_every_leaf_and_is_deterministic():
                                             (2, 4, 3))}}
   experts = [jax.tree.map(lambda p, i=i: p + 0.1 * (i + 1) * jnp.sign(p),
                           base) for i in range(3)]
-  settings = merge.Settings("dare_ties", (1.0, 1.0, 1.0), density=0.5)
+  settings = parameters.Settings("dare_ties", (1.0, 1.0, 1.0), density=0.5)
 
   def merged(seed):
-    return merge.merge_params(base, merge.in_memory(experts), settings,
+    return tree.merge_params(base, tree.in_memory(experts), settings,
                               seed=seed,
                               is_stacked=lambda n: n.startswith("layers/"))
 
@@ -216,8 +216,8 @@ def test_merge_params_walks_every_leaf_and_is_deterministic():
   assert not np.array_equal(merged(3)["embed"], merged(4)["embed"])
   chex.assert_trees_all_equal_shapes_and_dtypes(merged(3), base)
   # task arithmetic with weights 1/3 and lambda 1: the experts' mean
-  mean = merge.merge_params(
-      base, merge.in_memory(experts),
+  mean = tree.merge_params(
+      base, tree.in_memory(experts),
       dataclasses.replace(settings, method="task_arithmetic",
                           weights=(1 / 3,) * 3))
   chex.assert_trees_all_close(
@@ -225,18 +225,27 @@ def test_merge_params_walks_every_leaf_and_is_deterministic():
 
 
 def test_expert_counts():
-  with pytest.raises(ConfigError, match="slerp interpolates two experts"):
-    merge.check_experts("slerp", 4)
-  with pytest.raises(ConfigError, match="model_stock needs at least two"):
-    merge.check_experts("model_stock", 1)
-  merge.check_experts("ties", 1)
+  with pytest.raises(ConfigError, match="slerp takes 2 experts, got 4"):
+    methods.check_experts("slerp", 4)
+  with pytest.raises(ConfigError, match="model_stock takes at least 2"):
+    methods.check_experts("model_stock", 1)
+  methods.check_experts("ties", 1)
 
 
-def test_sweep_grid_covers_only_what_the_method_uses():
+def test_sweep_grid_covers_only_what_the_method_reads():
+  """The sweep's axes follow from the parameters each method declares:
+  ties reads lambda and density, sparse_union lambda, karcher neither."""
 
-  grid = sweep_grid(merge.Settings("ties", (1.0,)), (0.5, 1.0), (0.3, 0.7))
-  assert grid == [dict(lam=0.5, density=0.3), dict(lam=0.5, density=0.7),
-                  dict(lam=1.0, density=0.3), dict(lam=1.0, density=0.7)]
-  assert sweep_grid(merge.Settings("sparse_union", (1.0,)), (0.5,),
-                    (0.3,)) == [dict(lam=0.5)]
-  assert sweep_grid(merge.Settings("karcher", (1.0,)), (0.5,), (0.3,)) == []
+  def grid(method, lambdas, densities):
+    section = dict(sweep_lambdas=lambdas, sweep_densities=densities)
+    return sweep_grid(parameters.Settings(method, (1.0,)), section)
+
+  assert grid("ties", (0.5, 1.0), (0.3, 0.7)) == [
+      dict(lam=0.5, density=0.3), dict(lam=0.5, density=0.7),
+      dict(lam=1.0, density=0.3), dict(lam=1.0, density=0.7)]
+  assert grid("sparse_union", (0.5,), (0.3,)) == [dict(lam=0.5)]
+  assert grid("karcher", (0.5,), (0.3,)) == []
+  assert {m: methods.sweep_axes(m) for m in ("ties", "breadcrumbs",
+                                             "task_arithmetic", "slerp")} == {
+      "ties": ("lambda", "density"), "breadcrumbs": ("lambda", "density"),
+      "task_arithmetic": ("lambda",), "slerp": ()}

@@ -11,7 +11,7 @@ import pytest
 
 from mopd_jax import parallel, runs
 from mopd_jax.errors import ConfigError
-from mopd_jax.fusion import open_mopd, teachers
+from mopd_jax.distill import budget, teachers
 from mopd_jax.models.config import ModelConfig
 from mopd_jax.models.tokenizer import CharTokenizer
 
@@ -19,20 +19,20 @@ DOMAINS = ("add", "chain", "sort")
 
 
 def test_parse_teachers_template_and_pairs():
-  assert teachers.parse_teachers("runs/e_{domain}", DOMAINS) == {
+  assert runs.runs_by_domain("runs/e_{domain}", DOMAINS) == {
       d: f"runs/e_{d}" for d in DOMAINS}
-  assert teachers.parse_teachers("sort=c, add=a,chain=b", DOMAINS) == {
+  assert runs.runs_by_domain("sort=c, add=a,chain=b", DOMAINS) == {
       "add": "a", "chain": "b", "sort": "c"}
   # A file domain's path never lands in a folder name: its label does.
-  assert teachers.parse_teachers("runs/e_{domain}",
+  assert runs.runs_by_domain("runs/e_{domain}",
                                  ("math:/d/gsm8k.jsonl", "add")) == {
       "math:/d/gsm8k.jsonl": "runs/e_math_gsm8k", "add": "runs/e_add"}
   with pytest.raises(ConfigError, match="teachers: no run for domain 'sort'"):
-    teachers.parse_teachers("add=a,chain=b", DOMAINS)
+    runs.runs_by_domain("add=a,chain=b", DOMAINS)
   with pytest.raises(ConfigError, match="not domain=run_dir"):
-    teachers.parse_teachers("add=a,chain,sort=c", DOMAINS)
+    runs.runs_by_domain("add=a,chain,sort=c", DOMAINS)
   with pytest.raises(ConfigError, match="'math' is not one of the domains"):
-    teachers.parse_teachers("add=a,chain=b,sort=c,math=d", DOMAINS)
+    runs.runs_by_domain("add=a,chain=b,sort=c,math=d", DOMAINS)
 
 
 def test_oracle_router_sends_each_sample_to_its_domain_teacher():
@@ -128,17 +128,17 @@ def test_score_runs_each_teacher_on_exactly_its_rows():
 
 
 def test_token_share_weights_hand_computed():
-  w = open_mopd.token_share_weights(np.array([100, 300, 0, 600]), np.ones(4))
+  w = budget.token_share_weights(np.array([100, 300, 0, 600]), np.ones(4))
   np.testing.assert_allclose(w, [10 / 3, 10 / 9, 0.0, 5 / 9], rtol=1e-9)
   shares = np.array([100, 300, 0, 600]) / 1000
   assert np.isclose(np.sum(shares * w), 1.0)
-  w = open_mopd.token_share_weights(np.array([200, 200]), np.array([3.0, 1.0]))
+  w = budget.token_share_weights(np.array([200, 200]), np.array([3.0, 1.0]))
   np.testing.assert_allclose(w, [1.5, 0.5])
 
 
 def test_token_share_power_moves_shares_part_way():
   tokens = np.array([100, 300, 0, 600])
-  w = open_mopd.token_share_weights(tokens, np.ones(4), power=0.5)
+  w = budget.token_share_weights(tokens, np.ones(4), power=0.5)
   raw = np.sqrt([1 / 3 / 0.1, 1 / 3 / 0.3, 0.0, 1 / 3 / 0.6])
   np.testing.assert_allclose(w, raw / np.sum(raw * tokens / 1000), rtol=1e-9)
   loss_share = w * tokens / 1000
@@ -146,55 +146,55 @@ def test_token_share_power_moves_shares_part_way():
   # the smallest domain's loss share lies between its token share and target
   assert 0.1 < loss_share[0] < 1 / 3
   np.testing.assert_allclose(
-      open_mopd.token_share_weights(tokens, np.ones(4), power=0.0),
+      budget.token_share_weights(tokens, np.ones(4), power=0.0),
       [1.0, 1.0, 0.0, 1.0])
 
 
 def test_gap_factors_hand_computed():
   gap = np.array([0.2, 0.4, 0.1, 0.0])
   seen = np.array([True, True, True, False])
-  f = open_mopd.gap_factors(gap, seen, np.ones(4) / 4, 1.0, 0.5, 2.0)
+  f = budget.gap_factors(gap, seen, np.ones(4) / 4, 1.0, 0.5, 2.0)
   ref = 0.7 / 3
   np.testing.assert_allclose(f, [0.2 / ref, 0.4 / ref, 0.5, 1.0], rtol=1e-9)
-  f = open_mopd.gap_factors(gap, seen, np.ones(4) / 4, 2.0, 0.1, 10.0)
+  f = budget.gap_factors(gap, seen, np.ones(4) / 4, 2.0, 0.1, 10.0)
   np.testing.assert_allclose(f[:3], (gap[:3] / ref) ** 2, rtol=1e-9)
   np.testing.assert_array_equal(
-      open_mopd.gap_factors(gap, np.zeros(4, bool), np.ones(4), 1.0, 0.5, 2.0),
+      budget.gap_factors(gap, np.zeros(4, bool), np.ones(4), 1.0, 0.5, 2.0),
       np.ones(4))
 
 
 def test_gap_state_keeps_each_domains_first_gap():
-  state = open_mopd.init_gap_state(3)
-  state = open_mopd.update_gap_state(state, np.array([0, 0, 2]),
+  state = budget.init_gap_state(3)
+  state = budget.update_gap_state(state, np.array([0, 0, 2]),
                                 np.array([1.0, 3.0, 0.5]), 0.5)
   np.testing.assert_allclose(state["initial"], [2.0, 0.0, 0.5])
-  state = open_mopd.update_gap_state(state, np.array([0, 1]),
+  state = budget.update_gap_state(state, np.array([0, 1]),
                                 np.array([1.0, 4.0]), 0.5)
   np.testing.assert_allclose(state["signal"], [1.5, 4.0, 0.5])
   np.testing.assert_allclose(state["initial"], [2.0, 4.0, 0.5])
-  np.testing.assert_allclose(open_mopd.remaining_gap(state, False),
+  np.testing.assert_allclose(budget.remaining_gap(state, False),
                              [1.5, 4.0, 0.5])
-  np.testing.assert_allclose(open_mopd.remaining_gap(state, True),
+  np.testing.assert_allclose(budget.remaining_gap(state, True),
                              [0.75, 1.0, 1.0])
 
 
 def test_normalise_by_tokens_and_gap_statistics():
-  w = open_mopd.normalise_by_tokens(np.array([2.0, 1.0]), np.array([10, 30]))
+  w = budget.normalise_by_tokens(np.array([2.0, 1.0]), np.array([10, 30]))
   assert np.isclose((w * [10, 30]).sum() / 40, 1.0)
   np.testing.assert_allclose(w / w[1], [2.0, 1.0])
   signal = np.array([[-0.5, 0.25, 9.0], [0.1, -0.3, -0.2]])
   mask = np.array([[1, 1, 0], [1, 1, 1]])
   domains = np.array([1, 0])
-  ids, values = open_mopd.gap_observations(signal, mask, domains, "abs_signal")
+  ids, values = budget.gap_observations(signal, mask, domains, "abs_signal")
   np.testing.assert_array_equal(ids, [1, 1, 0, 0, 0])
   np.testing.assert_allclose(values, [0.5, 0.25, 0.1, 0.3, 0.2])
-  ids, values = open_mopd.gap_observations(signal, mask, domains, "reverse_kl")
+  ids, values = budget.gap_observations(signal, mask, domains, "reverse_kl")
   np.testing.assert_allclose(values, [0.5, -0.25, -0.1, 0.3, 0.2])
-  ids, values = open_mopd.gap_observations(signal, mask, domains, "sequence_kl")
+  ids, values = budget.gap_observations(signal, mask, domains, "sequence_kl")
   np.testing.assert_array_equal(ids, [1, 0])
   np.testing.assert_allclose(values, [0.25, 0.4])
   with pytest.raises(ConfigError):
-    open_mopd.gap_observations(signal, mask, domains, "median")
+    budget.gap_observations(signal, mask, domains, "median")
 
 
 def test_proxy_teacher_scores_with_shifted_logits():

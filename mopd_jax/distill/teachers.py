@@ -21,39 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mopd_jax import parallel, runs
-from mopd_jax.data import files
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig, with_execution
 from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
-
-
-def parse_teachers(spec: str, domains, field: str = "teachers"
-                   ) -> dict[str, str]:
-  """``{domain: run directory}`` from ``teachers`` (or Merge's ``experts``,
-  named by ``field``): a template with ``{domain}``
-  (``runs/expert_{domain}``; a file domain fills in ``files.label``'s
-  ``<kind>_<file stem>``) or ``domain=dir`` pairs separated by commas.
-  Every domain needs a run (oracle routing, one task vector each)."""
-  if "{domain}" in spec:
-    dirs = {d: spec.replace("{domain}", files.label(d)) for d in domains}
-  else:
-    dirs = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-      domain, sep, path = item.partition("=")
-      if not sep or not path:
-        raise ConfigError(f"{field}: {item!r} is not domain=run_dir (or use"
-                          " a template with {domain})")
-      dirs[domain.strip()] = path.strip()
-  for d in domains:
-    if d not in dirs:
-      raise ConfigError(f"{field}: no run for domain {d!r}")
-  unknown = sorted(set(dirs) - set(domains))
-  if unknown:
-    raise ConfigError(f"{field}: {unknown[0]!r} is not one of the domains"
-                      f" {', '.join(domains)}")
-  return {d: dirs[d] for d in domains}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +52,7 @@ def load_model(run_dir: str, tokenizer, mesh, execution: ModelConfig
   student's token ids."""
   run_config = runs.load_run_config(run_dir)
   runs.check_same_tokens(run_dir, run_config, tokenizer, "teachers")
-  cfg = with_execution(ModelConfig(**run_config.model.to_dict()), execution)
+  cfg = with_execution(ModelConfig.of(run_config.model), execution)
   params = runs.load_params(run_dir, cfg, mesh)
   if cfg.dtype == "bfloat16" and cfg.param_dtype == "float32":
     # Frozen, so kept in the precision they compute in: half the memory.
