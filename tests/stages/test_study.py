@@ -238,22 +238,21 @@ def test_bad_step_and_missing_base_are_one_line(tmp_path):
       "error: steps: unknown step 'distil'; known: "
       + ", ".join(study_stage.STEPS))
   assert "mopd_trb" in study_stage.STEPS
-  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
-                     f"--workdir={tmp_path / 'w'}",
-                     f"--config.base={tmp_path / 'none'}")
-  assert result.returncode == 2 and "base:" in result.stderr.splitlines()[-1]
-  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
-                     f"--workdir={tmp_path / 'w'}",
-                     f"--config.domains=('math:{tmp_path}/m.jsonl',)")
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines()[-1].startswith(
-      "error: base: a study of real models or your own domains starts")
-  result = train_cli(f"--config={ROOT}/configs/study.py:smoke",
-                     f"--workdir={tmp_path / 'w'}", "--config.base=.",
-                     "--config.domains=('math:a/x.jsonl','math:b/x.jsonl')")
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines()[-1] == (
-      "error: domains: two domains would share the folder expert_math_x;"
+
+  def refused(**fields):
+    """The study's checks of its runs and domains, in process (the line
+    above is the command line's)."""
+    config = load_config("study", "smoke")
+    config.update(fields)
+    with pytest.raises(ConfigError) as e:
+      study_stage.check(stages.validate(config))
+    return str(e.value)
+
+  assert refused(base=str(tmp_path / "none")).startswith("base:")
+  assert refused(domains=(f"math:{tmp_path}/m.jsonl",)).startswith(
+      "base: a study of real models or your own domains starts")
+  assert refused(base=".", domains=("math:a/x.jsonl", "math:b/x.jsonl")) == (
+      "domains: two domains would share the folder expert_math_x;"
       " give each file its own name")
   assert not (tmp_path / "w").exists()
 
