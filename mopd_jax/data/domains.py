@@ -85,6 +85,25 @@ class _Chain(Domain):
     return float(expected is not None and got == expected)
 
 
+class _Derive(_Chain):
+  """``derive 12 7 30:`` -> ``the running total 12 plus 7 is 19; the
+  running total 19 plus 30 is 49; #49``: ``chain``'s sums, each step
+  written out in words, a long derivation (about 100 tokens, some 35
+  times ``instruct``'s answers) of the same arithmetic; only the total is
+  checked. Not a default domain: the imbalanced study's long one."""
+
+  def _sample(self, rng: np.random.Generator) -> tuple[str, str]:
+    num_terms = int(rng.integers(3, 6))
+    terms = [int(x) for x in rng.integers(1, 50, num_terms)]
+    steps, total = [], terms[0]
+    for term in terms[1:]:
+      steps.append(f"the running total {total} plus {term} is"
+                   f" {total + term}; ")
+      total += term
+    prompt = "derive " + " ".join(str(t) for t in terms) + ":"
+    return prompt, "".join(steps) + f"#{total}"
+
+
 class _Instruct(_ExactMatch):
   """Concise instructions on a 4 to 8 letter word; answers are 1 to 3 letters.
 
@@ -136,6 +155,14 @@ DOMAINS: dict[str, Domain] = {
 }
 TRAIN_DOMAINS: tuple[str, ...] = ("add", "chain", "instruct", "sort")
 HELD_OUT_DOMAINS: tuple[str, ...] = ("reverse",)
+# Built-in domains outside the default five (each study variant that uses
+# one names it in its domains; the default base never sees it).
+EXTRA_DOMAINS: dict[str, Domain] = {
+    d.name: d for d in (
+        _Derive("derive", False, "chain's 3 to 5 terms, each step in words;"
+                " only the total is checked", 160),
+    )
+}
 
 
 def get_domain(name: str) -> Domain:
@@ -144,7 +171,7 @@ def get_domain(name: str) -> Domain:
   if files.is_file_domain(name):
     return files.file_domain(name)
   try:
-    return DOMAINS[name]
+    return DOMAINS[name] if name in DOMAINS else EXTRA_DOMAINS[name]
   except KeyError:
     raise DataError(
         f"unknown domain {name!r}; known: {', '.join(DOMAINS)}, or a file"
@@ -153,8 +180,8 @@ def get_domain(name: str) -> Domain:
 
 def is_domain(name) -> bool:
   """A built-in domain's name or a file domain's ``<kind>:<path>``."""
-  return name in DOMAINS or (isinstance(name, str)
-                             and files.is_file_domain(name))
+  return name in DOMAINS or name in EXTRA_DOMAINS or (
+      isinstance(name, str) and files.is_file_domain(name))
 
 
 def completion_budget(domains, cap: int) -> int:

@@ -133,7 +133,7 @@ def _config_for(domain: str, num_train: int, num_test: int,
   # TFDS refuses a custom config that reuses a registered config's name.
   return DomainConfig(
       name=f"{domain}_seed{seed}_train{num_train}_test{num_test}",
-      description=domains.DOMAINS[domain].description,
+      description=domains.get_domain(domain).description,
       domain=domain, num_train=num_train, num_test=num_test, seed=seed)
 
 

@@ -30,8 +30,8 @@ from mopd_jax import checkpointing, json_files, runs, stages
 from mopd_jax.config import positive
 from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
                              write_text_atomic)
-from mopd_jax.data.domains import (DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS,
-                                   is_domain)
+from mopd_jax.data.domains import (DOMAINS, EXTRA_DOMAINS, HELD_OUT_DOMAINS,
+                                   TRAIN_DOMAINS, is_domain)
 from mopd_jax.data import files
 from mopd_jax.merge.methods import METHODS as MERGE_METHODS
 from mopd_jax.errors import ConfigError
@@ -39,6 +39,9 @@ from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import costs, headroom, report, seeded, study_report
 from mopd_jax.training import SUMMARY_FILE
 
+# the fields of the open_mopd section that go with each mechanism
+_MECHANISMS = {"token_share": ("token_share_power",),
+               "gap_budget": ("gap_statistic",), "reward_refresh": ()}
 # The MOPD runs a study can add beside plain MOPD, each a step of that
 # name on the same base, experts, data and evaluation, reported against
 # plain MOPD: the fields they set on configs/mopd.py (open_mopd: the :open
@@ -62,6 +65,12 @@ MOPD_VARIANTS = {
                                 "opd.curriculum_start": 8,
                                 "opd.curriculum_growth": 4},
     "mopd_trb": lambda: {"opd.trb_delta": 0.5, "opd.trb_steps": 25},
+    # each Open-MOPD mechanism alone, as the :open variant sets it
+    **{f"mopd_{m}": functools.partial(
+        lambda m: {f"open_mopd.{k}": v for k, v in
+                   config_file("mopd", "open").open_mopd.items()
+                   if k in _MECHANISMS[m] or k == m}, m)
+       for m in ("token_share", "gap_budget", "reward_refresh")},
 }
 STEPS = ("base", "experts", "merge", "mix_rl", "mopd", *MOPD_VARIANTS,
          "evaluate", "report")
@@ -144,9 +153,11 @@ STUDY_ADDITIONS = {
                "mopd_from_merge"),
     "variants": ("mopd_forward", "mopd_mixed", "mopd_teacher_reverse",
                  "mopd_teacher_forward", "mopd_curriculum", "mopd_trb"),
+    "imbalanced": ("mopd_token_share", "mopd_gap_budget",
+                   "mopd_reward_refresh"),
 }
 VARIANTS = ("smoke", "hf", "seeds", "smoke_seeds", "beyond", "smoke_beyond",
-            "variants", "smoke_variants")
+            "variants", "smoke_variants", "imbalanced", "smoke_imbalanced")
 
 
 def recipe(config, variant: str) -> None:
@@ -165,6 +176,8 @@ def recipe(config, variant: str) -> None:
   if added:  # MOPD variants beside plain MOPD, before the evaluations
     at = config.steps.index("evaluate")
     config.steps = config.steps[:at] + added + config.steps[at:]
+  if variant.endswith("imbalanced"):
+    imbalanced(config, smoke=variant.startswith("smoke"))
   if variant == "seeds":
     config.update(seeds=(0, 1, 2), seed_processes=2)  # a 2-core CPU
   elif variant == "smoke_seeds":
@@ -172,6 +185,35 @@ def recipe(config, variant: str) -> None:
   elif variant == "hf":
     config.variant = "hf"
     config.mesh.update(data=1, fsdp=-1)
+
+
+def imbalanced(config, smoke: bool) -> None:
+  """The conditions of Open-MOPD's misallocation, built-in data only: a
+  long derivation (``derive``, about 113 tokens an answer) beside a
+  concise domain (``instruct``, about 2.7), 43 times shorter, so that
+  ``instruct`` holds about 2% of MOPD's loss tokens; the paper's
+  multi-update staleness (``rl.epochs=2`` over ``rl.minibatches=4``:
+  eight updates per batch of rollouts, so reward refresh has something to
+  fix); plain MOPD, each mechanism alone and all three, each reported
+  against plain MOPD. No merges or Mix RL: the question is MOPD's."""
+  config.domains = ("derive", "instruct")
+  config.steps = ("base", "experts", "mopd", "open_mopd",
+                  *STUDY_ADDITIONS["imbalanced"], "evaluate", "report")
+  config.merge_methods = ()
+  # completions long enough for derive's (up to 155 tokens; the base's
+  # packed rows follow); an expert or MOPD run's budget is each domain's
+  # own (completion_budget)
+  config.overrides.all = tuple(config.overrides.all) + (
+      "sampling.max_new_tokens=192",)
+  config.overrides.pretrain = tuple(config.overrides.pretrain) + (
+      "data.weights=[]",)
+  # 50 steps, evaluated every 10 on 64 prompts: MOPD's dynamics while
+  # the domains still improve
+  config.overrides.mopd = ("rl.epochs=2",) + (
+      () if smoke else ("train.steps=50", "train.eval_every=10",
+                        "eval.num_prompts=64"))
+  if not smoke:
+    config.eval.update(samples=4, coverage_prompts=64)
 
 
 def config_file(name: str, variant: str = ""):
@@ -224,9 +266,14 @@ class Study:
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
     self.domains = domains(config)
-    # Evaluated on: the built-in five (transfer to the held-out one), or
-    # the user's own domains alone.
-    self.eval_domains = tuple(DOMAINS) if not config.domains else self.domains
+    # Evaluated on: the built-in five (transfer to the held-out one); a
+    # choice of built-in domains and the held-out one (the base trains on
+    # them); or the user's own domains alone.
+    self.built_in = all(d in DOMAINS or d in EXTRA_DOMAINS
+                        for d in config.domains)
+    self.eval_domains = (tuple(DOMAINS) if not config.domains else
+                         self.domains + HELD_OUT_DOMAINS if self.built_in
+                         else self.domains)
     self.held_out = tuple(d for d in HELD_OUT_DOMAINS
                           if d in self.eval_domains)
     self.base = config.base or os.path.join(workdir, "base")
@@ -286,7 +333,10 @@ class Study:
     if self.config.data_dir:
       fields["data.data_dir"] = self.config.data_dir
     if self.config.domains:
-      fields["eval.domains"] = self.eval_domains
+      if name == "pretrain":  # built-in domains only (check)
+        fields["data.domains"] = self.eval_domains
+      else:
+        fields["eval.domains"] = self.eval_domains
       if name in ("mix_rl", "mopd", "merge"):
         fields["data.domains"] = self.domains
     overrides = (tuple(self.config.overrides.get("all", ()))
@@ -683,6 +733,10 @@ def check(config) -> None:
   user's own domains has a base to start from."""
   if config.base and not os.path.isdir(os.path.expanduser(config.base)):
     raise ConfigError(f"base: {config.base} is not a run directory")
+  built_in = [d for d in config.domains if not files.is_file_domain(d)]
+  if built_in and len(built_in) < len(config.domains):
+    raise ConfigError("domains: either built-in domains (the study trains"
+                      " a base on them) or your own files, not both")
   labels = [files.label(d) for d in domains(config)]
   if len(set(labels)) < len(labels):
     twice = next(x for x in labels if labels.count(x) > 1)

@@ -243,3 +243,25 @@ def test_completion_budget():
   assert domains.completion_budget(("add", "sort"), 48) == 2 * 7 + 2
   assert domains.completion_budget(("add", "chain"), 48) == 48  # the cap
   assert domains.completion_budget(("add",), 5) == 5
+
+
+def test_derive_is_chain_written_out_about_40_times_instructs_length():
+  """The imbalanced study's long domain: chain's arithmetic, each step in
+  words, answers 30-50 times as long as instruct's (tokens with EOS, the
+  character tokenizer's), its verifier reading only the total; not one of
+  the default five."""
+  derive = domains.generate("derive", "train", 500, seed=0)
+  instruct = domains.generate("instruct", "train", 500, seed=0)
+  ratio = (np.mean([len(e.answer) + 1 for e in derive])
+           / np.mean([len(e.answer) + 1 for e in instruct]))
+  assert 30 < ratio < 50, ratio
+  spec = domains.get_domain("derive")
+  assert all(spec.verify(e.answer, e.answer) == 1.0 for e in derive)
+  e = derive[0]
+  assert spec.verify("wrong words #" + e.answer.rpartition("#")[2],
+                     e.answer) == 1.0
+  total = int(e.answer.rpartition("#")[2])
+  assert spec.verify(e.answer.rpartition("#")[0] + f"#{total + 1}",
+                     e.answer) == 0.0
+  assert max(len(e.answer) for e in derive) <= spec.answer_chars
+  assert "derive" not in domains.DOMAINS and domains.is_domain("derive")

@@ -433,6 +433,31 @@ def test_every_added_mopd_variant_is_a_valid_step(variant):
   study_stage.check(config)
 
 
+@pytest.mark.parametrize("variant", ["smoke_imbalanced", "imbalanced"])
+def test_the_imbalanced_study_has_the_papers_conditions(variant):
+  """``:imbalanced``: ``derive`` (long) and ``instruct`` (concise) only,
+  the base trained on them and the held-out domain, every step's config
+  valid; MOPD with two epochs over four minibatches (stale rollouts);
+  plain MOPD, each Open-MOPD mechanism alone and all three."""
+  config = stages.validate(load_config("study", variant))
+  study_stage.check(config)
+  study = study_stage.Study(config, "<workdir>")
+  assert study.domains == ("derive", "instruct")
+  assert study.eval_domains == ("derive", "instruct", "reverse")
+  base = study.child_config("pretrain")
+  assert base.data.domains == ("derive", "instruct", "reverse")
+  mopd = study.child_config("mopd", init="b", teachers=study.template)
+  assert mopd.rl.epochs == 2 and mopd.rl.minibatches == (
+      2 if variant.startswith("smoke") else 4)
+  assert mopd.data.domains == ("derive", "instruct")
+  assert config.steps == ("base", "experts", "mopd", "open_mopd",
+                          "mopd_token_share", "mopd_gap_budget",
+                          "mopd_reward_refresh", "evaluate", "report")
+  alone = study_stage.MOPD_VARIANTS["mopd_gap_budget"]()
+  assert alone == {"open_mopd.gap_budget": True,
+                   "open_mopd.gap_statistic": "sequence_kl"}
+
+
 def test_a_report_rerun_keeps_the_mopd_variants_that_ran(tmp_path):
   """``--config.steps="('report',)"`` after a ``:beyond`` study: a variant
   whose run is in the workdir stays in the comparison; one never run is
