@@ -58,7 +58,7 @@ class MopdDomains(tfds.core.GeneratorBasedBuilder):
   }
   BUILDER_CONFIGS: ClassVar[list[DomainConfig]] = [
       DomainConfig(name=name, domain=name, description=d.description)
-      for name, d in domains.DOMAINS.items()
+      for name, d in {**domains.DOMAINS, **domains.EXTRA_DOMAINS}.items()
   ]
 
   def _info(self) -> tfds.core.DatasetInfo:
