@@ -28,15 +28,14 @@ import ml_collections
 from mopd_jax import config as config_lib
 from mopd_jax import checkpointing, json_files, runs, stages
 from mopd_jax.config import positive
-from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
-                             write_text_atomic)
 from mopd_jax.data.domains import (DOMAINS, EXTRA_DOMAINS, HELD_OUT_DOMAINS,
                                    TRAIN_DOMAINS, is_domain)
 from mopd_jax.data import files
 from mopd_jax.merge.methods import METHODS as MERGE_METHODS
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluate import eval_file_name, evaluate_run
-from mopd_jax.evaluation import costs, headroom, report, seeded, study_report
+from mopd_jax.evaluation import study_results
+from mopd_jax.evaluation.study_results import RESULTS_FILE
 from mopd_jax.training import SUMMARY_FILE
 
 # the fields of the open_mopd section that go with each mechanism
@@ -74,7 +73,6 @@ MOPD_VARIANTS = {
 }
 STEPS = ("base", "experts", "merge", "mix_rl", "mopd", *MOPD_VARIANTS,
          "evaluate", "report")
-RESULTS_FILE = "results.json"
 EVALUATIONS = "evaluations"
 
 
@@ -299,6 +297,20 @@ class Study:
         out[name] = run_dir
     return out
 
+  def runs(self) -> study_results.StudyRuns:
+    """What the report reads of this study."""
+    models = self.models()
+    c = self.config.eval
+    return study_results.StudyRuns(
+        workdir=self.workdir, models=models,
+        evaluations={m: evaluation_path(self, m) for m in models},
+        domains=self.domains, held_out=self.held_out,
+        eval_domains=self.eval_domains, num_prompts=c.num_prompts,
+        samples=c.samples, coverage_prompts=c.coverage_prompts,
+        merges=tuple(f"merge/{m}" for m in self.config.merge_methods),
+        curves=tuple(n for n in ("mix_rl", "mopd", *MOPD_VARIANTS)
+                     if n in models))
+
   def best_merge(self) -> str:
     """The run of the merge method with the highest mean greedy validation
     accuracy (each merge's ``validation_greedy_mean``; a merge written
@@ -474,7 +486,11 @@ def _tasks(study: Study):
       tasks += seeds
     if "report" in c.steps:
       tasks.append(("report", "report over seeds",
-                    lambda: write_seeded_results(study), None))
+                    lambda: study_results.write_seeded_results(
+                        study.workdir, c.seeds, [Study(
+                            seed_config(c, s, study.workdir),
+                            seed_dir(study.workdir, s)).runs()
+                            for s in c.seeds]), None))
     return tasks
   if "experts" in c.steps and not c.experts:
     for d in study.domains:
@@ -512,7 +528,8 @@ def _tasks(study: Study):
       tasks.append(("evaluate", f"evaluate {model}",
                     lambda m=model, r=run_dir: _evaluate(study, m, r), None))
   if "report" in c.steps:
-    tasks.append(("report", "report", lambda: write_results(study), None))
+    tasks.append(("report", "report",
+                  lambda: study_results.write_results(study.runs()), None))
   return tasks
 
 
@@ -586,141 +603,6 @@ def run(config, workdir: str):
     with open(path, encoding="utf-8") as f:
       return json.load(f)
   return None
-
-
-def write_results(study: Study) -> dict:
-  """``results.json`` and ``report.md`` (+ figures) from every model's
-  evaluation on the study's prompts."""
-  c = study.config.eval
-  scalars, configs = {}, {}
-  for model, run_dir in study.models().items():
-    path = evaluation_path(study, model)
-    run_config = os.path.join(run_dir, "config.json")
-    if not (os.path.exists(path) and os.path.exists(run_config)):
-      print(f"study: {model} has no evaluation ({path}) or no run"
-            f" ({run_dir}); left out of the report")
-      continue
-    with open(path, encoding="utf-8") as f:
-      scalars[model] = json.load(f)
-    with open(run_config, encoding="utf-8") as f:
-      configs[model] = json.load(f)
-  if "base" not in scalars or any(f"expert/{d}" not in scalars
-                                  for d in study.domains):
-    raise ConfigError("study: the report needs the base and every expert"
-                      " evaluated (steps evaluate)")
-  base = {m: headroom.accuracies(scalars["base"], m) for m in report.MODES}
-  experts = {d: {m: headroom.accuracies(scalars[f"expert/{d}"], m)
-                 for m in report.MODES} for d in study.domains}
-  oracle = {m: {d: experts[d][m][d] for d in study.domains}
-            for m in report.MODES}
-  expert_costs = [costs.run_cost(study.experts[d], configs[f"expert/{d}"])
-                  for d in study.domains]
-  experts_total = {k: sum(cst[k] for cst in expert_costs)
-                   for k in expert_costs[0]}
-  oracle_scalars = {}
-  for d in study.domains:
-    for key, value in scalars[f"expert/{d}"].items():
-      if f"/{d}/" in key or key.endswith(f"/{d}"):
-        oracle_scalars[key] = value
-  entries = {}
-  for model, found in {**scalars, "oracle": oracle_scalars}.items():
-    needs = model.startswith(("merge/", "mopd", "open_mopd"))  # experts
-    run_dir = study.models().get(model)
-    cost = (costs.run_cost(run_dir, configs[model],
-                      experts_total if needs else None)
-            if run_dir and model in configs else {})
-    entries[model] = report.model_entry(
-        found, base, oracle, study.domains, study.held_out, c.num_prompts,
-        cost)
-    routing = (study_report.routing_matrix(run_dir, study.domains)
-               if run_dir and report.versus_mopd(model) else None)
-    if routing:
-      entries[model]["routing"] = routing
-  geometry_path = next((os.path.join(study.models()[f"merge/{m}"],
-                                     "geometry.json")
-                        for m in study.config.merge_methods
-                        if os.path.exists(os.path.join(
-                            study.models()[f"merge/{m}"], "geometry.json"))),
-                       None)
-  task_vectors = {}
-  if geometry_path:
-    with open(geometry_path, encoding="utf-8") as f:
-      task_vectors = json.load(f)
-  results = dict(
-      domains=list(study.domains), held_out=list(study.held_out),
-      eval=dict(num_prompts=c.num_prompts, samples=c.samples,
-                coverage_prompts=c.coverage_prompts),
-      methods=entries,
-      transfer=report.transfer({d: experts[d]["greedy"]
-                                for d in study.domains}, base["greedy"],
-                               list(study.eval_domains)),
-      task_vectors=task_vectors)
-  results["recommendation"] = report.recommendation(results)
-  write_json_atomic(os.path.join(study.workdir, RESULTS_FILE), results)
-  curves = {name: study_report.accuracy_curves(study.models()[name])
-            for name in ("mix_rl", "mopd", *MOPD_VARIANTS)
-            if name in study.models()
-            if os.path.exists(os.path.join(study.models()[name],
-                                           "metrics.jsonl"))}
-  study_report.write(study.workdir, results, curves)
-  print(f"study: wrote {os.path.join(study.workdir, RESULTS_FILE)} and"
-        " report.md\n" + results["recommendation"]["text"])
-  return results
-
-
-def _per_prompt(study: Study) -> tuple[dict, dict]:
-  """``(outcomes, coverage)`` of every model evaluated in ``study``:
-  ``{model: {"<mode>/<domain>": [1/0 per prompt]}}`` and ``{model:
-  {samples, counts: {domain: [correct samples per prompt]}}}``, the oracle
-  composed from each expert on its own domain."""
-  outcomes, coverage = {}, {}
-  for model in study.models():
-    path = evaluation_path(study, model)
-    if os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        found = json.load(f)
-      outcomes[model] = found.get("outcomes", {})
-      if found.get("coverage"):
-        coverage[model] = found["coverage"]
-  outcomes["oracle"] = {key: outcomes[f"expert/{d}"][key]
-                        for d in study.domains
-                        for key in outcomes.get(f"expert/{d}", {})
-                        if key.endswith(f"/{d}")}
-  if all(f"expert/{d}" in coverage for d in study.domains):
-    coverage["oracle"] = dict(
-        samples=min(coverage[f"expert/{d}"]["samples"]
-                    for d in study.domains),
-        counts={d: coverage[f"expert/{d}"]["counts"][d]
-                for d in study.domains})
-  return outcomes, coverage
-
-
-def write_seeded_results(study: Study) -> dict:
-  """``results.json`` and ``report.md`` (+ the pass@k figure) over the
-  seeds, from each seed's results and per-prompt outcomes."""
-  per_seed, outcomes, coverage = [], [], []
-  for seed in study.config.seeds:
-    workdir = seed_dir(study.workdir, seed)
-    path = os.path.join(workdir, RESULTS_FILE)
-    if not os.path.exists(path):
-      raise ConfigError(f"study: seed {seed} has no {RESULTS_FILE} ({path});"
-                        " run its steps evaluate and report first")
-    with open(path, encoding="utf-8") as f:
-      per_seed.append(json.load(f))
-    found = _per_prompt(Study(seed_config(study.config, seed, study.workdir),
-                              workdir))
-    outcomes.append(found[0])
-    coverage.append(found[1])
-  results = seeded.aggregate(study.config.seeds, per_seed, outcomes, coverage)
-  write_json_atomic(os.path.join(study.workdir, RESULTS_FILE), results)
-  png = seeded.coverage_figure(results)
-  if png:
-    write_bytes_atomic(os.path.join(study.workdir, "pass_at_k.png"), png)
-  write_text_atomic(os.path.join(study.workdir, study_report.REPORT_FILE),
-                    seeded.markdown(results))
-  print(f"study: wrote {os.path.join(study.workdir, RESULTS_FILE)} and"
-        " report.md over seeds\n" + results["recommendation"]["text"])
-  return results
 
 
 def domains(config) -> tuple[str, ...]:
