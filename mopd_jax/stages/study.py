@@ -205,11 +205,15 @@ def imbalanced(config, smoke: bool) -> None:
       "sampling.max_new_tokens=192",)
   config.overrides.pretrain = tuple(config.overrides.pretrain) + (
       "data.weights=[]",)
-  # 50 steps, evaluated every 10 on 64 prompts: MOPD's dynamics while
-  # the domains still improve
+  # derive's rollouts are 40 times instruct's: half the default batches
+  # (32 prompts a step), 50 MOPD steps evaluated every 10 on 64 prompts
+  # (the dynamics while the domains still improve), experts stopped by
+  # step 200 at the latest
   config.overrides.mopd = ("rl.epochs=2",) + (
       () if smoke else ("train.steps=50", "train.eval_every=10",
-                        "eval.num_prompts=64"))
+                        "eval.num_prompts=64", "rl.prompts_per_step=32"))
+  if not smoke:
+    config.overrides.grpo = ("rl.prompts_per_step=16", "train.steps=200")
   if not smoke:
     config.eval.update(samples=4, coverage_prompts=64)
 
