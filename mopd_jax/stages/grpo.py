@@ -13,7 +13,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
-from mopd_jax.config import DOMAIN_NAMES, positive
+from mopd_jax.config import DOMAIN_NAMES, non_negative, positive
 from mopd_jax import config as config_lib
 from mopd_jax.data import mixture
 from mopd_jax.data.domains import is_domain
@@ -31,9 +31,12 @@ def defaults() -> ml_collections.ConfigDict:
   # (every train.eval_every steps) where the domain's greedy accuracy on
   # stop.num_prompts validation prompts has gained ``gain`` over the
   # start; train.steps is then the limit. 0: off, train.steps steps.
+  # confirm_prompts > 0: the gain must hold on that many other validation
+  # prompts too (a second draw, looked at once the first has passed).
   # On the built-in base the experts stop at 75-250 steps
   # (docs/results.md).
-  c.stop = ml_collections.ConfigDict(dict(gain=0.2, num_prompts=128))
+  c.stop = ml_collections.ConfigDict(dict(gain=0.2, num_prompts=128,
+                                          confirm_prompts=128))
   c.train.eval_every = 25
   return c
 
@@ -43,6 +46,7 @@ CHECKS = (
     ("domain", is_domain, "one of " + DOMAIN_NAMES),
     ("stop.gain", config_lib.is_fraction, "in [0, 1] (0: off)"),
     ("stop.num_prompts", positive, "> 0"),
+    ("stop.confirm_prompts", non_negative, ">= 0 (0: no second draw)"),
 )
 
 
@@ -51,6 +55,14 @@ def validate(full) -> None:
   if full.stop.gain > 0 and full.train.eval_every <= 0:
     raise ConfigError("train.eval_every: stop.gain needs a validation"
                       " evaluation every N > 0 steps")
+  drawn = full.stop.num_prompts + full.stop.confirm_prompts
+  if (full.stop.gain > 0 and full.stop.confirm_prompts
+      and drawn > full.data.test_examples):
+    raise ConfigError(f"stop.confirm_prompts: the two validation draws"
+                      f" ({full.stop.num_prompts} + "
+                      f"{full.stop.confirm_prompts}) exceed the"
+                      f" {full.data.test_examples} validation prompts"
+                      " (data.test_examples)")
 
 
 VARIANTS = ("smoke", "hf")
