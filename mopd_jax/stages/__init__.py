@@ -35,6 +35,7 @@ METHODS = {"pretrain": "mopd_jax.stages.pretrain",
            "grpo": "mopd_jax.stages.grpo",
            "mix_rl": "mopd_jax.stages.mix_rl",
            "mopd": "mopd_jax.stages.mopd",
+           "copd": "mopd_jax.stages.copd",
            "merge": "mopd_jax.stages.merge",
            "study": "mopd_jax.stages.study"}
 

@@ -1,0 +1,84 @@
+"""CoPD: co-evolving experts, each one's GRPO with a reverse KL toward the
+others (the reference log-probs the mean of theirs)."""
+
+import json
+import shutil
+
+import numpy as np
+
+from conftest import ROOT, load_config, train_cli
+from mopd_jax import runs, stages
+from mopd_jax.stages import copd
+from mopd_jax.stages import merge as merge_stage
+
+
+def _kl(p, q):
+  return float(np.sum(p * (np.log(p) - np.log(q))))
+
+
+def test_the_mean_kl_to_the_others_is_the_kl_to_their_geometric_mean():
+  """``1/(J-1) sum_{j != i} KL(pi_i || pi_j) = KL(pi_i || G_i) - log Z``
+  with ``G_i`` the normalised geometric mean of the others, and per token
+  ``log pi_i(y) - mean_j log pi_j(y) = log pi_i(y) - log G_i(y) - log Z``:
+  the reference whose log-probs are the others' mean has the same
+  gradient (numpy, random distributions over 7 tokens, J = 4)."""
+  rng = np.random.default_rng(0)
+  pis = rng.dirichlet(np.ones(7), size=4)
+  i, others = 0, pis[1:]
+  mean_kl = np.mean([_kl(pis[i], q) for q in others])
+  unnormalised = np.exp(np.mean(np.log(others), axis=0))
+  z = unnormalised.sum()
+  g = unnormalised / z
+  np.testing.assert_allclose(mean_kl, _kl(pis[i], g) - np.log(z), rtol=1e-12)
+  ref = np.mean(np.log(others), axis=0)  # what signal() puts in ref_logp
+  np.testing.assert_allclose(np.log(pis[i]) - ref,
+                             np.log(pis[i]) - np.log(g) - np.log(z))
+
+
+def test_the_reference_is_the_mean_of_the_others_log_probs():
+  config = load_config("copd", "smoke")
+  others = [np.full((2, 3), -1.0), np.full((2, 3), -2.0),
+            np.full((2, 3), -6.0)]
+  method = copd.CoEvolving(config, "add", lambda: others,
+                           lambda params, data: params)
+  data = {}
+  method.signal({}, data, np.zeros(2, np.int32))
+  np.testing.assert_array_equal(data["ref_logp"], np.full((2, 3), -3.0))
+
+
+def test_cli_co_evolves_resumes_exactly_and_writes_expert_runs(
+    smoke_run, tmp_path, data_dir, cached_env):
+  """Two rounds of the smoke config from the smoke base: one expert run
+  per domain (finished, evaluated, a merge's experts); killed after round
+  1 (its checkpoint kept) the same command ends with the same parameters;
+  one domain or no KL is refused."""
+  run = tmp_path / "copd"
+  args = (f"--config={ROOT}/configs/copd.py:smoke", f"--workdir={run}",
+          f"--config.init={smoke_run[0]}", "--config.train.steps=2",
+          "--config.checkpoint.every=1", f"--config.data.data_dir={data_dir}")
+  result = train_cli(*args, env=cached_env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = json.loads((run / "summary.json").read_text())
+  record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+  assert {"kl/add", "kl/sort", "reward/chain", "loss"} <= set(record)
+  for d in ("add", "chain", "instruct", "sort"):
+    assert runs.finished(run / f"expert_{d}")
+    assert (run / f"expert_{d}" / runs.EVAL_FILE).exists()
+  config = load_config("merge", "smoke")
+  config.update(init=str(smoke_run[0]), experts=f"{run}/expert_{{domain}}")
+  config = stages.validate(config)
+  runs.resolve_model(config)
+  merge_stage.check(config)  # the experts of a merge
+  shutil.rmtree(run / "ckpt" / "2")
+  (run / "summary.json").unlink()
+  result = train_cli(*args, env=cached_env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "resuming from step 1" in result.stdout + result.stderr
+  assert json.loads((run / "summary.json").read_text())["params_sha256"] == (
+      summary["params_sha256"])
+  for bad, words in ((("--config.data.domains=('add',)",), "data.domains"),
+                     (("--config.rl.beta=0.0",), "rl.beta")):
+    result = train_cli(f"--config={ROOT}/configs/copd.py:smoke",
+                       f"--workdir={tmp_path / 'bad'}",
+                       f"--config.init={smoke_run[0]}", *bad)
+    assert result.returncode == 2 and words in result.stderr, result.stderr
