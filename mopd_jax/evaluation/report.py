@@ -32,10 +32,10 @@ FAMILIES = {"merge": lambda m: m.startswith("merge/"),
 
 
 def versus_mopd(model: str) -> bool:
-  """Whether ``model`` is a MOPD variant the report sets against plain
-  MOPD (Open-MOPD, the delta teacher, a token router, MOPD from a
-  merge)."""
-  return model.startswith(("open_mopd", "mopd_"))
+  """Whether ``model`` is a consolidation the report sets against plain
+  MOPD (Open-MOPD, the delta teacher, a token router, MOPD from a merge,
+  the merge or MOPD of co-evolved experts)."""
+  return model.startswith(("open_mopd", "mopd_", "copd_"))
 
 
 def standard_error(p: float, n: int) -> float:

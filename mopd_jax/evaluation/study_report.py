@@ -38,9 +38,11 @@ def routing_matrix(run_dir: str, domains) -> dict | None:
   """``{domain: {teacher: share}}``: the share of each domain's tokens a
   token router sent to each domain's teacher, the mean over the run's
   steps (its ``route/<domain>/<teacher>`` metrics); None for a run that
-  routed by the label."""
+  routed by the label or did not train (a merge)."""
   sums: dict = {}
   steps = 0
+  if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+    return None
   for record in read_metrics(run_dir):
     if f"route/{domains[0]}/{domains[0]}" not in record:
       continue

@@ -32,6 +32,7 @@ from mopd_jax.data.domains import (DOMAINS, EXTRA_DOMAINS, HELD_OUT_DOMAINS,
                                    TRAIN_DOMAINS, is_domain)
 from mopd_jax.data import files
 from mopd_jax.merge.methods import METHODS as MERGE_METHODS
+from mopd_jax.stages import copd as copd_stage
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluate import eval_file_name, evaluate_run
 from mopd_jax.evaluation import study_results
@@ -71,8 +72,12 @@ MOPD_VARIANTS = {
                    if k in _MECHANISMS[m] or k == m}, m)
        for m in ("token_share", "gap_budget", "reward_refresh")},
 }
+# Co-evolving experts (configs/copd.py) and the two ways to consolidate
+# them: a merge (the study's copd_merge_method, swept as its merges are)
+# and MOPD (the plain recipe, the co-evolved experts as teachers).
+COPD_STEPS = ("copd", "copd_merge", "copd_mopd")
 STEPS = ("base", "experts", "merge", "mix_rl", "mopd", *MOPD_VARIANTS,
-         "evaluate", "report")
+         *COPD_STEPS, "evaluate", "report")
 EVALUATIONS = "evaluations"
 
 
@@ -104,6 +109,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.merge_methods = ("task_arithmetic", "ties", "dare_ties", "breadcrumbs",
                      "model_stock", "karcher", "sparse_union")
   c.merge_sweep = True  # lambda/density chosen on validation
+  # the merge of the co-evolved experts (step copd_merge): the best merge
+  # of the default study over 3 seeds (docs/results.md)
+  c.copd_merge_method = "dare_ties"
   # Per step config, "field=value" strings (a value is read as JSON where
   # it parses); setting one replaces that step's tuple. The defaults are
   # the study's budget, about an hour on a 2-core CPU (docs/results.md):
@@ -120,7 +128,8 @@ def defaults() -> ml_collections.ConfigDict:
       mix_rl=("train.steps=100", "train.eval_every=25",
               "eval.num_prompts=128"),
       mopd=("train.steps=100", "train.eval_every=25",
-            "eval.num_prompts=128")))
+            "eval.num_prompts=128"),
+      copd=()))
   # the final evaluation of every model: test prompts per domain, and
   # samples per prompt at temperature 1 on the first coverage_prompts of
   # them (pass@k up to k = samples; coverage at large k)
@@ -142,6 +151,8 @@ CHECKS = (
      "empty (the built-in four) or a tuple of " + config_lib.DOMAIN_NAMES),
     ("merge_methods", lambda v: set(v) <= set(MERGE_METHODS),
      "a tuple of " + ", ".join(MERGE_METHODS)),
+    ("copd_merge_method", lambda v: v in MERGE_METHODS,
+     "one of " + ", ".join(MERGE_METHODS)),
     *config_lib.DEVICE_CHECKS,
 )
 
@@ -150,7 +161,8 @@ STUDY_ADDITIONS = {
     "beyond": ("mopd_delta", "mopd_entropy", "mopd_novelty", "mopd_align",
                "mopd_from_merge"),
     "variants": ("mopd_forward", "mopd_mixed", "mopd_teacher_reverse",
-                 "mopd_teacher_forward", "mopd_curriculum", "mopd_trb"),
+                 "mopd_teacher_forward", "mopd_curriculum", "mopd_trb",
+                 *COPD_STEPS),
     "imbalanced": ("mopd_token_share", "mopd_gap_budget",
                    "mopd_reward_refresh"),
 }
@@ -297,12 +309,19 @@ class Study:
                 for m in self.config.merge_methods})
     for name in ("mix_rl", "mopd", "open_mopd"):
       out[name] = os.path.join(self.workdir, name)
-    for name in MOPD_VARIANTS:  # the added ones: selected, or run before
+    for name in (*MOPD_VARIANTS, *COPD_STEPS[1:]):
+      # the added ones: selected, or run before
       run_dir = os.path.join(self.workdir, name)
       if name in self.config.steps or os.path.exists(
           os.path.join(run_dir, "config.json")):
         out[name] = run_dir
     return out
+
+  def copd_experts(self) -> str:
+    """The co-evolved experts as a ``domain=run`` list."""
+    workdir = os.path.join(self.workdir, "copd")
+    return ",".join(f"{d}={copd_stage.expert_dir(workdir, d)}"
+                    for d in self.domains)
 
   def runs(self) -> study_results.StudyRuns:
     """What the report reads of this study."""
@@ -356,7 +375,7 @@ class Study:
         fields["data.domains"] = self.eval_domains
       else:
         fields["eval.domains"] = self.eval_domains
-      if name in ("mix_rl", "mopd", "merge"):
+      if name in ("mix_rl", "mopd", "merge", "copd"):
         fields["data.domains"] = self.domains
     overrides = (tuple(self.config.overrides.get("all", ()))
                  + tuple(self.config.overrides.get(name, ())))
@@ -530,6 +549,19 @@ def _tasks(study: Study):
         lambda f=fields: study.child_config(
             "mopd", init=study.models()[f"merge/{c.merge_methods[0]}"],
             **f)))
+  if "copd" in c.steps:
+    train("copd", "co-evolving experts", "copd",
+          os.path.join(study.workdir, "copd"), init=study.base)
+  if "copd_merge" in c.steps:
+    train("merge", "merge of the co-evolved experts", "merge",
+          study.models()["copd_merge"], init=study.base,
+          experts=study.copd_experts(),
+          **{"merge.method": c.copd_merge_method,
+             "merge.sweep": c.merge_sweep})
+  if "copd_mopd" in c.steps:
+    train("mopd", "MOPD of the co-evolved experts", "mopd",
+          study.models()["copd_mopd"], init=study.base,
+          teachers=study.copd_experts())
   if "evaluate" in c.steps:
     for model, run_dir in study.models().items():
       tasks.append(("evaluate", f"evaluate {model}",
@@ -569,6 +601,7 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
 # (the README's run; an expert's time depends on when it reaches its
 # target: 0.7-3.1): the ETA's prior, rescaled by this machine's pace.
 MINUTES = {"base": 5.1, "experts": 1.5, "merge": 0.33, "mix_rl": 4.6,
+           "copd": 10.0,
            "mopd": 4.8, "open_mopd": 5.4, "evaluate": 0.23, "report": 0.05}
 # a seed of a seeded study: four experts, seven merges, Mix RL, MOPD,
 # Open-MOPD, fourteen evaluations

@@ -143,13 +143,14 @@ def test_a_seeded_study_on_the_smoke_studys_experts(study, data_dir,
 def test_the_beyond_variants_on_the_smoke_studys_experts(study, data_dir,
                                                         cached_env,
                                                         smoke_run):
-  """``:smoke_beyond``'s steps, and two of its token routers (the one with
+  """``:smoke_beyond``'s steps, two of its token routers (the one with
   teacher entropies, the one with the student's distribution; the delta
   teacher has its own CLI test, the rules their own) on the smoke study's
   base, experts, MOPD run and evaluations (copied in: only the variants
   train): each run's router, its cost counting every teacher it ran, the
   routing matrices (each domain's tokens sum to 1) and the report's
-  section on them."""
+  section on them; and the co-evolved experts (CoPD) merged and
+  distilled, each beside plain MOPD in the report."""
   import shutil
   workdir = study[0].parent / "beyond"
   for name in ("mopd", "evaluations"):
@@ -161,7 +162,8 @@ def test_the_beyond_variants_on_the_smoke_studys_experts(study, data_dir,
   result = train_cli(f"--config={ROOT}/configs/study.py:smoke_beyond",
                      f"--workdir={workdir}", f"--config.base={smoke_run[0]}",
                      f"--config.experts={study[0]}/expert_{{domain}}",
-                     "--config.steps=('mopd',%s,'evaluate','report')"
+                     "--config.steps=('mopd',%s,'copd','copd_merge',"
+                     "'copd_mopd','evaluate','report')"
                      % ",".join(f"'{v}'" for v in routers),
                      f"--config.data_dir={data_dir}", env=cached_env,
                      timeout=600)
@@ -183,6 +185,14 @@ def test_the_beyond_variants_on_the_smoke_studys_experts(study, data_dir,
       assert sum(methods[name]["routing"][d].values()) == pytest.approx(
           1.0), (name, d)
   assert "routing" not in methods["mopd"]
+  # the co-evolved experts, merged and distilled, beside plain MOPD
+  copd = workdir / "copd"
+  teachers = json.loads((workdir / "copd_mopd" / "config.json").read_text()
+                        )["teachers"]
+  assert teachers == ",".join(f"{d}={copd}/expert_{d}" for d in domains)
+  merged = json.loads((workdir / "copd_merge" / "config.json").read_text())
+  assert merged["merge"]["method"] == "dare_ties"
+  assert {"copd_merge", "copd_mopd"} <= set(methods)
   text = (workdir / "report.md").read_text()
   assert "## Beyond plain MOPD" in text and "Routing of mopd_align" in text
 
