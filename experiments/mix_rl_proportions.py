@@ -28,7 +28,7 @@ from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
                              write_text_atomic)
 from mopd_jax.data.domains import DOMAINS, TRAIN_DOMAINS
 from mopd_jax.errors import UserError, fail
-from mopd_jax.evaluate import evaluate_run
+from mopd_jax.evaluation.run_eval import evaluate_run
 from mopd_jax.evaluation import figures, headroom
 from mopd_jax.stages.study import child_config
 from mopd_jax.training import SUMMARY_FILE
@@ -63,7 +63,8 @@ def sweep(args, overrides) -> dict:
       stages.run(config, workdir)
     path = os.path.join(workdir, f"eval_{args.eval_prompts}.json")
     if not os.path.exists(path):
-      evaluate_run(workdir, args.eval_prompts, list(DOMAINS))
+      evaluate_run(workdir, args.eval_prompts, list(DOMAINS),
+                   stages.defaults("mix_rl"), execution=False)
     with open(path, encoding="utf-8") as f:
       scalars = json.load(f)
     found[name] = dict(weights=list(weights), shares=shares(weights),

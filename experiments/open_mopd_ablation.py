@@ -35,10 +35,10 @@ import os
 
 import numpy as np
 
-from mopd_jax import launch
+from mopd_jax import launch, stages
 from mopd_jax.data.domains import TRAIN_DOMAINS
 from mopd_jax.errors import UserError, fail
-from mopd_jax.evaluate import eval_file_name, evaluate_run
+from mopd_jax.evaluation.run_eval import eval_file_name, evaluate_run
 from mopd_jax.evaluation import figures, headroom
 from mopd_jax.runs import runs_by_domain
 from mopd_jax.atomic import (write_bytes_atomic, write_json_atomic,
@@ -191,7 +191,8 @@ def ablation(args, extra, variants: list[str], seeds: list[int]) -> None:
     eval_file = eval_file_name(args.eval_prompts)
     for run in dict.fromkeys([args.base, *dirs.values(), *workdirs]):
       if not os.path.exists(os.path.join(run, eval_file)):
-        evaluate_run(run, args.eval_prompts, TRAIN_DOMAINS)
+        evaluate_run(run, args.eval_prompts, TRAIN_DOMAINS,
+                     stages.defaults("mix_rl"), execution=False)
   reports = {r: headroom.report(headroom.final_scalars(w, eval_file),
                                 args.base, dirs, eval_file,
                                 os.path.join(w, eval_file))

@@ -14,8 +14,11 @@ import sys
 import pytest
 
 from conftest import ROOT
+from mopd_jax import stages
 from mopd_jax.errors import ConfigError
-from mopd_jax.evaluate import evaluate_run
+from mopd_jax.evaluation.run_eval import evaluate_run
+
+SETTINGS = stages.defaults("mix_rl")
 
 
 def _evaluate(*args, env):
@@ -73,10 +76,11 @@ def test_evaluate_output_is_checked_before_any_work(smoke_run, tmp_path):
   with pytest.raises(ConfigError, match=(
       f"--output: cannot write {nothing}/out.json: {nothing} is not a"
       " directory")):
-    evaluate_run(str(run), 8, ["add"], output=f"{nothing}/out.json")
+    evaluate_run(str(run), 8, ["add"], SETTINGS,
+                 output=f"{nothing}/out.json")
   with pytest.raises(ConfigError, match=f"--output: cannot write {run}: it"
                      " is a directory"):
-    evaluate_run(str(run), 8, ["add"], output=str(run))
+    evaluate_run(str(run), 8, ["add"], SETTINGS, output=str(run))
 
 
 def test_evaluate_an_unfinished_run_names_the_step_it_used(

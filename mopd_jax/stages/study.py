@@ -34,7 +34,7 @@ from mopd_jax.data import files
 from mopd_jax.merge.methods import METHODS as MERGE_METHODS
 from mopd_jax.stages import copd as copd_stage
 from mopd_jax.errors import ConfigError
-from mopd_jax.evaluate import eval_file_name, evaluate_run
+from mopd_jax.evaluation.run_eval import eval_file_name, evaluate_run
 from mopd_jax.evaluation import study_results
 from mopd_jax.evaluation.study_results import RESULTS_FILE
 from mopd_jax.training import SUMMARY_FILE
@@ -592,8 +592,7 @@ def _evaluate(study: Study, model: str, run_dir: str) -> None:
   if not os.path.exists(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     evaluate_run(run_dir, c.num_prompts, list(study.eval_domains),
-                 output=path, samples=c.samples,
-                 settings=study.eval_settings,
+                 study.eval_settings, output=path, samples=c.samples,
                  coverage_prompts=c.coverage_prompts)
 
 
