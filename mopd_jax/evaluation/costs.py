@@ -49,12 +49,18 @@ def run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
   ones, each through ``teacher_models`` forward passes), trained tokens
   (``x rl.epochs``; pretraining: the packed rows), training wall time (steps / steps_per_sec) and ``flops``, each token
   attending over ``data.max_prompt_len`` plus its row's mean response
-  (pretraining: the packed row); ``with_experts`` adds ``experts_cost``."""
+  (pretraining: the packed row); ``with_experts`` adds ``experts_cost``.
+  CoPD (``method`` copd) counts every expert of a round and the other
+  experts' passes over each one's tokens."""
   model = config_json.get("model", {})
   cfg = ModelConfig(**model) if model else None
   records = read_metrics(run_dir) if os.path.exists(
       os.path.join(run_dir, "metrics.jsonl")) else []
   mopd = config_json.get("method") == "mopd"
+  # CoPD: every expert samples and trains each step (a round), and each
+  # one's tokens go through the J - 1 others for the reference
+  experts = (len(config_json["data"]["domains"])
+             if config_json.get("method") == "copd" else 1)
   sampled = trained = wall = flops = 0.0
   last = 0
   for r in records:
@@ -64,10 +70,10 @@ def run_cost(run_dir: str, config_json: dict, experts_cost=None) -> dict:
     last = r["step"]
     wall += steps / max(r["steps_per_sec"], 1e-9)
     if "response_length" in r:  # on-policy: sample, (score,) train
-      tokens = (steps * config_json["rl"]["prompts_per_step"]
+      tokens = (steps * experts * config_json["rl"]["prompts_per_step"]
                 * config_json["rl"]["group_size"] * r["response_length"])
       length = config_json["data"]["max_prompt_len"] + r["response_length"]
-      passes = (1 + (teacher_models(config_json) if mopd else 0)
+      passes = (experts + (teacher_models(config_json) if mopd else 0)
                 + off_policy_passes(config_json, last - steps, last)
                 / max(steps, 1))
       epochs = config_json["rl"]["epochs"]

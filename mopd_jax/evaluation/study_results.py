@@ -41,6 +41,7 @@ class StudyRuns:
   coverage_prompts: int
   merges: tuple[str, ...]
   curves: tuple[str, ...]
+  copd: str = ""  # the co-evolving experts' run, when the study has one
 
 
 def write_results(study: StudyRuns) -> dict:
@@ -77,12 +78,19 @@ def write_results(study: StudyRuns) -> dict:
     for key, value in scalars[f"expert/{d}"].items():
       if f"/{d}/" in key or key.endswith(f"/{d}"):
         oracle_scalars[key] = value
+  copd_cost = (costs.run_cost(study.copd, json_files.read_object(
+      os.path.join(study.copd, "config.json"))) if study.copd
+               and os.path.exists(os.path.join(study.copd, "config.json"))
+               else None)
   entries = {}
   for model, found in {**scalars, "oracle": oracle_scalars}.items():
-    needs = model.startswith(("merge/", "mopd", "open_mopd"))  # experts
+    # what the model's own run stands on: the experts, or the co-evolved
+    # ones
+    before = (experts_total if model.startswith(("merge/", "mopd",
+                                                  "open_mopd"))
+              else copd_cost if model.startswith("copd_") else None)
     run_dir = study.models.get(model)
-    cost = (costs.run_cost(run_dir, configs[model],
-                      experts_total if needs else None)
+    cost = (costs.run_cost(run_dir, configs[model], before)
             if run_dir and model in configs else {})
     entries[model] = report.model_entry(
         found, base, oracle, study.domains, study.held_out,

@@ -12,8 +12,13 @@ rollouts. For expert ``i`` with GRPO's clipped surrogate ``L_GRPO``:
 
 (``const = -beta log Z`` has no gradient), so the term is ``rl.beta``'s KL
 to a reference whose log-prob of each sampled token is the mean of the
-other experts' (``rl.kl_estimator`` on the sampled tokens, as for any
-reference). The experts are each other's teachers: they stay close while
+other experts'. Its estimator on the expert's own samples is ``k2``,
+``(log pi_i(y) - ref(y))^2 / 2``, whose expected gradient
+``E_{pi_i}[(log pi_i - ref) grad log pi_i]`` is the reverse KL's (``log Z``
+drops out: ``E[grad log pi_i] = 0``); ``k3``'s would be ``-sum_y
+exp(ref(y)) grad log pi_i(y)``, the forward KL's, and ``k1``'s is zero in
+expectation, so ``rl.kl_estimator`` must be ``k2`` (tested against numpy).
+The experts are each other's teachers: they stay close while
 each keeps its own domain's gain, so a merge of them interferes less, or a
 short MOPD of them has less to bridge. A round (every expert one step) is
 one step of the loop: the experts' states are saved together, and a run
@@ -48,7 +53,7 @@ def defaults() -> ml_collections.ConfigDict:
   ``train.steps`` rounds; ``rl.beta`` weighs the KL to the others."""
   c = on_policy.defaults("copd", steps=150)
   c.data.domains = TRAIN_DOMAINS
-  c.rl.beta = 0.05
+  c.rl.update(beta=0.05, kl_estimator="k2")
   c.train.eval_every = 25
   return c
 
@@ -58,9 +63,14 @@ CHECKS = on_policy.CHECKS
 
 def validate(full) -> None:
   on_policy.validate(full)
-  if len(full.data.domains) < 2:
+  domains = full.data.domains
+  if len(domains) < 2 or len(set(domains)) < len(domains):
     raise ConfigError("data.domains: co-evolving experts need at least two"
-                      f" domains, got {len(full.data.domains)}")
+                      f" distinct domains, got {tuple(domains)}")
+  if full.rl.kl_estimator != "k2":
+    raise ConfigError("rl.kl_estimator: k2, whose gradient on the experts'"
+                      " own samples is the reverse KL's (k3's is the forward"
+                      f" KL's, k1's zero), got {full.rl.kl_estimator!r}")
   if full.rl.beta <= 0:
     raise ConfigError("rl.beta: the weight of the KL to the other experts"
                       " must be > 0 (0 is training the experts apart: grpo)")
@@ -146,8 +156,11 @@ def run(config, workdir: str):
           contexts[d], methods[d], dict(experts[d], params=params[d]), step)
       params[d] = mine.pop("params")
       experts[d] = mine
+      # the loss, skipped updates and response length over every expert
+      # (the last is what a run's cost reads)
       pairs = training.accumulate(pairs, {
-          k: metrics[k] for k in ("loss", training.SKIPPED) if k in metrics})
+          k: metrics[k] for k in ("loss", training.SKIPPED, "response_length")
+          if k in metrics})
       pairs.update({k if "/" in k else f"{k}/{d}": v
                     for k, v in metrics.items()})
     return dict(state, step=state["step"] + 1, params=params,

@@ -27,7 +27,7 @@ import ml_collections
 
 from mopd_jax import config as config_lib
 from mopd_jax import checkpointing, json_files, runs, stages
-from mopd_jax.config import positive
+from mopd_jax.config import non_negative, positive
 from mopd_jax.data.domains import (DOMAINS, EXTRA_DOMAINS, HELD_OUT_DOMAINS,
                                    TRAIN_DOMAINS, is_domain)
 from mopd_jax.data import files
@@ -141,12 +141,13 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 CHECKS = (
+    ("seed", lambda v: 0 <= v < 2**31, "in [0, 2^31)"),
     ("seeds", lambda v: all(isinstance(x, int) and x >= 0 for x in v)
      and len(set(v)) == len(v), "empty or a tuple of distinct seeds >= 0"),
     ("seed_processes", positive, "> 0"),
     ("eval.num_prompts", positive, "> 0"),
-    ("eval.samples", lambda v: v >= 0, ">= 0"),
-    ("eval.coverage_prompts", lambda v: v >= 0, ">= 0 (0: all num_prompts)"),
+    ("eval.samples", non_negative, ">= 0"),
+    ("eval.coverage_prompts", non_negative, ">= 0 (0: all num_prompts)"),
     ("domains", lambda v: all(map(is_domain, v)),
      "empty (the built-in four) or a tuple of " + config_lib.DOMAIN_NAMES),
     ("merge_methods", lambda v: set(v) <= set(MERGE_METHODS),
@@ -289,7 +290,9 @@ class Study:
     self.built_in = all(d in DOMAINS or d in EXTRA_DOMAINS
                         for d in config.domains)
     self.eval_domains = (tuple(DOMAINS) if not config.domains else
-                         self.domains + HELD_OUT_DOMAINS if self.built_in
+                         self.domains + tuple(
+                             d for d in HELD_OUT_DOMAINS
+                             if d not in self.domains) if self.built_in
                          else self.domains)
     self.held_out = tuple(d for d in HELD_OUT_DOMAINS
                           if d in self.eval_domains)
@@ -334,8 +337,9 @@ class Study:
         eval_domains=self.eval_domains, num_prompts=c.num_prompts,
         samples=c.samples, coverage_prompts=c.coverage_prompts,
         merges=tuple(f"merge/{m}" for m in self.config.merge_methods),
-        curves=tuple(n for n in ("mix_rl", "mopd", *MOPD_VARIANTS)
-                     if n in models))
+        curves=tuple(n for n in ("mix_rl", "mopd", *MOPD_VARIANTS,
+                                 "copd_mopd") if n in models),
+        copd=os.path.join(self.workdir, "copd"))
 
   def best_merge(self) -> str:
     """The run of the merge method with the highest mean greedy validation
@@ -371,8 +375,9 @@ class Study:
     if self.config.data_dir:
       fields["data.data_dir"] = self.config.data_dir
     if self.config.domains:
-      if name == "pretrain":  # built-in domains only (check)
+      if name == "pretrain":  # built-in domains only (check), uniform
         fields["data.domains"] = self.eval_domains
+        fields["data.weights"] = ()
       else:
         fields["eval.domains"] = self.eval_domains
       if name in ("mix_rl", "mopd", "merge", "copd"):

@@ -35,6 +35,34 @@ def test_the_mean_kl_to_the_others_is_the_kl_to_their_geometric_mean():
                              np.log(pis[i]) - np.log(g) - np.log(z))
 
 
+def test_k2_on_the_experts_samples_follows_the_reverse_kl_gradient():
+  """With ``pi = softmax(theta)`` and ``ref = mean_j log pi_j``: the
+  expected gradient of k2, ``sum_y pi(y) (log pi(y) - ref(y)) (e_y - pi)``,
+  equals the gradient of ``mean_j KL(pi || pi_j)`` (central differences);
+  k3's, ``-sum_y exp(ref(y)) (e_y - pi)``, does not."""
+  rng = np.random.default_rng(1)
+  theta = rng.normal(size=6)
+  others = rng.dirichlet(np.ones(6), size=3)
+  ref = np.mean(np.log(others), axis=0)
+
+  def softmax(t):
+    e = np.exp(t - t.max())
+    return e / e.sum()
+
+  def mean_kl(t):
+    return np.mean([_kl(softmax(t), q) for q in others])
+
+  eps = 1e-6
+  numeric = np.array([(mean_kl(theta + eps * e) - mean_kl(theta - eps * e))
+                      / (2 * eps) for e in np.eye(6)])
+  pi = softmax(theta)
+  grad_log = np.eye(6) - pi[None, :]  # row y: grad log pi(y)
+  k2 = (pi * (np.log(pi) - ref)) @ grad_log
+  k3 = -np.exp(ref) @ grad_log
+  np.testing.assert_allclose(k2, numeric, atol=1e-7)
+  assert not np.allclose(k3, numeric, atol=1e-3)
+
+
 def test_the_reference_is_the_mean_of_the_others_log_probs():
   config = load_config("copd", "smoke")
   others = [np.full((2, 3), -1.0), np.full((2, 3), -2.0),
@@ -76,8 +104,10 @@ def test_cli_co_evolves_resumes_exactly_and_writes_expert_runs(
   assert "resuming from step 1" in result.stdout + result.stderr
   assert json.loads((run / "summary.json").read_text())["params_sha256"] == (
       summary["params_sha256"])
-  for bad, words in ((("--config.data.domains=('add',)",), "data.domains"),
-                     (("--config.rl.beta=0.0",), "rl.beta")):
+  for bad, words in ((("--config.data.domains=('add','add')",),
+                      "data.domains: co-evolving experts need at least two"),
+                     (("--config.rl.beta=0.0",), "rl.beta"),
+                     (("--config.rl.kl_estimator=k3",), "rl.kl_estimator")):
     result = train_cli(f"--config={ROOT}/configs/copd.py:smoke",
                        f"--workdir={tmp_path / 'bad'}",
                        f"--config.init={smoke_run[0]}", *bad)
