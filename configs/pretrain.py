@@ -1,8 +1,9 @@
 """Base model: supervised training on every built-in domain's demonstrations,
 stopped when every training domain reaches a validation target.
 
-Every field and its default lives in ``mopd_jax/config.py``; this file sets
-what the base run changes. Variants: ``:smoke`` (seconds, for tests).
+Every field and its default lives in ``mopd_jax/stages/pretrain.py`` (the
+shared sections in ``mopd_jax/config.py``), with the recipe of the base.
+Variants: ``:smoke`` (seconds, for tests).
 """
 
 from mopd_jax.stages import recipe

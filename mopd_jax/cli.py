@@ -45,19 +45,24 @@ def flag_error(error: Exception, argv) -> str:
 
 def config_problem(argv) -> str | None:
   """What is wrong with ``--config=FILE[:variant]`` and its
-  ``--config.<path>=`` overrides, or None: the file defines no
-  ``get_config``, its ``get_config`` raised, or an override names a field
-  the config does not have (the first missing part of its path, with the
-  closest existing name)."""
-  spec = next((a.split("=", 1)[1] for a in reversed(argv)
-               if a.startswith("--config=")), None)
+  ``--config.<path>=`` overrides, or None: the file does not load or
+  defines no ``get_config``, its ``get_config`` raised, or an override
+  names a field the config does not have (the first missing part of its
+  path, with the closest existing name). Only on a failed parse, so the
+  file runs a second time then: a config file is declarations."""
+  spec = None
+  for i, arg in enumerate(argv):  # --config=FILE or --config FILE
+    if arg.startswith("--config="):
+      spec = arg.split("=", 1)[1]
+    elif arg == "--config" and i + 1 < len(argv):
+      spec = argv[i + 1]
   if spec is None:
     return None
   path, _, variant = spec.partition(":")
   try:
     module = runpy.run_path(os.path.expanduser(path))
-  except Exception:  # pylint: disable=broad-except
-    return None  # the library's own message names the file
+  except Exception as e:  # pylint: disable=broad-except
+    return f"--config: cannot load the config file {path}: {_last_line(e)}"
   if "get_config" not in module:
     return ("--config: the config file defines no get_config(variant)"
             " function")
@@ -69,10 +74,19 @@ def config_problem(argv) -> str | None:
   for arg in argv:
     if arg.startswith("--config."):
       field = arg[len("--config."):].split("=", 1)[0]
+      if "[" in field:  # an index into a value: the library's message
+        continue
       missing = _missing_part(config, field)
       if missing:
         return missing
   return None
+
+
+def _last_line(error: Exception) -> str:
+  """An exception's message on one line: its last non-empty line."""
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  return f"{type(error).__name__}: {lines[-1]}" if lines else type(
+      error).__name__
 
 
 def _missing_part(config, dotted: str) -> str | None:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import ml_collections
 
 from mopd_jax import parallel
-from mopd_jax.data.domains import DOMAINS, is_domain
+from mopd_jax.data.domains import DOMAINS, EXTRA_DOMAINS, is_domain
 from mopd_jax.errors import ConfigError
 from mopd_jax.models.config import (ATTENTION_IMPLS, EXECUTION_FIELDS,
                                     ModelConfig)
@@ -34,7 +34,8 @@ from mopd_jax.rollout.sampler import SamplingConfig
 Checks = tuple[tuple[str, Callable[[Any], bool], str], ...]
 
 ALL_DOMAINS = tuple(DOMAINS)
-DOMAIN_NAMES = ", ".join(ALL_DOMAINS) + " or <kind>:<path> (data/files.py)"
+DOMAIN_NAMES = (", ".join((*ALL_DOMAINS, *EXTRA_DOMAINS))
+                + " or <kind>:<path> (data/files.py)")
 # The check of a tuple of domains (data.domains, eval.domains).
 DOMAIN_TUPLE = (lambda v: len(v) > 0 and all(map(is_domain, v)),
                 "a non-empty tuple of " + DOMAIN_NAMES)

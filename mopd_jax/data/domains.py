@@ -174,7 +174,8 @@ def get_domain(name: str) -> Domain:
     return DOMAINS[name] if name in DOMAINS else EXTRA_DOMAINS[name]
   except KeyError:
     raise DataError(
-        f"unknown domain {name!r}; known: {', '.join(DOMAINS)}, or a file"
+        f"unknown domain {name!r}; known:"
+        f" {', '.join((*DOMAINS, *EXTRA_DOMAINS))}, or a file"
         f" as {'|'.join(files.REWARDS)}:<path>") from None
 
 

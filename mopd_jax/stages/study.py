@@ -81,8 +81,6 @@ STEPS = ("base", "experts", "merge", "mix_rl", "mopd", *MOPD_VARIANTS,
 EVALUATIONS = "evaluations"
 
 
-
-
 def defaults() -> ml_collections.ConfigDict:
   """Every paradigm on shared artefacts: base, experts, Merge, Mix RL,
   MOPD, Open-MOPD, then every model evaluated and compared."""
@@ -164,9 +162,10 @@ STUDY_ADDITIONS = {
     "variants": ("mopd_forward", "mopd_mixed", "mopd_teacher_reverse",
                  "mopd_teacher_forward", "mopd_curriculum", "mopd_trb",
                  *COPD_STEPS),
-    "imbalanced": ("mopd_token_share", "mopd_gap_budget",
-                   "mopd_reward_refresh"),
 }
+# :imbalanced's MOPD variants beside plain MOPD and Open-MOPD
+IMBALANCED_STEPS = ("mopd_token_share", "mopd_gap_budget",
+                    "mopd_reward_refresh")
 VARIANTS = ("smoke", "hf", "seeds", "smoke_seeds", "beyond", "smoke_beyond",
             "variants", "smoke_variants", "imbalanced", "smoke_imbalanced")
 
@@ -209,7 +208,7 @@ def imbalanced(config, smoke: bool) -> None:
   against plain MOPD. No merges or Mix RL: the question is MOPD's."""
   config.domains = ("derive", "instruct")
   config.steps = ("base", "experts", "mopd", "open_mopd",
-                  *STUDY_ADDITIONS["imbalanced"], "evaluate", "report")
+                  *IMBALANCED_STEPS, "evaluate", "report")
   config.merge_methods = ()
   # completions long enough for derive's (up to 155 tokens; the base's
   # packed rows follow); an expert or MOPD run's budget is each domain's
