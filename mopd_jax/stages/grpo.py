@@ -73,6 +73,7 @@ def recipe(config, variant: str) -> None:
     config_lib.shrink_for_smoke(config)
     config.rl.update(prompts_per_step=4, group_size=4, minibatches=2)
     config.stop.gain = 0.0  # 4 steps: no target to reach
+    config.stop.confirm_prompts = 8  # its 16 validation prompts: 8 + 8
 
 
 def make_loss(model_cfg, sampling, rl, ops):
