@@ -79,13 +79,13 @@ def validate(full) -> None:
                       " synchronously")
 
 
-VARIANTS = ("smoke", "hf")
+VARIANTS = grpo.VARIANTS
 
 
 def recipe(config, variant: str) -> None:
   if variant == "smoke":
     config_lib.shrink_for_smoke(config)
-    config.rl.update(prompts_per_step=4, group_size=4, minibatches=2)
+    config.rl.update(grpo.SMOKE_RL)
 
 
 def expert_dir(workdir: str, domain: str) -> str:

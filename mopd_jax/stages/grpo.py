@@ -66,12 +66,14 @@ def validate(full) -> None:
 
 
 VARIANTS = ("smoke", "hf")
+# an expert's rollouts at smoke size (CoPD's experts take them too)
+SMOKE_RL = dict(prompts_per_step=4, group_size=4, minibatches=2)
 
 
 def recipe(config, variant: str) -> None:
   if variant == "smoke":
     config_lib.shrink_for_smoke(config)
-    config.rl.update(prompts_per_step=4, group_size=4, minibatches=2)
+    config.rl.update(SMOKE_RL)
     config.stop.gain = 0.0  # 4 steps: no target to reach
     config.stop.confirm_prompts = 8  # its 16 validation prompts: 8 + 8
 
