@@ -6,7 +6,6 @@ stderr unless ``--verbosity`` asks for it."""
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import runpy
@@ -16,7 +15,7 @@ from typing import Callable
 
 from absl import app, flags, logging
 
-from mopd_jax.errors import UserError, fail
+from mopd_jax.errors import UserError, fail, reason, unknown_field
 
 
 def config_value(holder, flag: str):
@@ -62,7 +61,7 @@ def config_problem(argv) -> str | None:
   try:
     module = runpy.run_path(os.path.expanduser(path))
   except Exception as e:  # pylint: disable=broad-except
-    return f"--config: cannot load the config file {path}: {_last_line(e)}"
+    return f"--config: cannot load the config file {path}: {reason(e)}"
   if "get_config" not in module:
     return ("--config: the config file defines no get_config(variant)"
             " function")
@@ -82,13 +81,6 @@ def config_problem(argv) -> str | None:
   return None
 
 
-def _last_line(error: Exception) -> str:
-  """An exception's message on one line: its last non-empty line."""
-  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-  return f"{type(error).__name__}: {lines[-1]}" if lines else type(
-      error).__name__
-
-
 def _missing_part(config, dotted: str) -> str | None:
   """``"<path>: unknown field (did you mean ...?)"`` for the first part of
   ``dotted`` that ``config`` lacks (or the value ``dotted`` looks
@@ -98,11 +90,7 @@ def _missing_part(config, dotted: str) -> str | None:
     if not hasattr(node, "keys"):
       return f"{'.'.join(walked)}: a value, not a section (in {dotted})"
     if part not in node:
-      close = difflib.get_close_matches(part, list(node.keys()), n=1)
-      where = ".".join(walked + [part])
-      hint = (f" (did you mean {'.'.join(walked + close)!r}?)" if close
-              else "")
-      return f"{where}: unknown field{hint}"
+      return unknown_field(walked, part, node.keys())
     node, walked = node[part], walked + [part]
   return None
 

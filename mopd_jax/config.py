@@ -17,7 +17,6 @@ enumerations come from the modules that own them (``ATTENTION_IMPLS``,
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from typing import Any, Callable, Iterable
 
@@ -25,7 +24,7 @@ import ml_collections
 
 from mopd_jax import parallel
 from mopd_jax.data.domains import DOMAINS, EXTRA_DOMAINS, is_domain
-from mopd_jax.errors import ConfigError
+from mopd_jax.errors import ConfigError, unknown_field
 from mopd_jax.models.config import (ATTENTION_IMPLS, EXECUTION_FIELDS,
                                     ModelConfig)
 from mopd_jax.ops import vocab
@@ -324,9 +323,8 @@ def _compare(schema, config, prefix: str) -> None:
   for key in config.keys():
     path = prefix + key
     if key not in schema:
-      close = difflib.get_close_matches(key, list(schema.keys()), n=1)
-      hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
-      raise ConfigError(f"{path}: unknown field{hint}")
+      raise ConfigError(unknown_field(prefix.split(".")[:-1], key,
+                                      schema.keys()))
     default, value = schema[key], config[key]
     if isinstance(default, ml_collections.ConfigDict):
       if not isinstance(value, ml_collections.ConfigDict):

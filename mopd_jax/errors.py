@@ -5,6 +5,7 @@ Anything raised as a ``UserError`` is a problem with what the user gave us
 prints it without a traceback.
 """
 
+import difflib
 import sys
 
 
@@ -13,6 +14,16 @@ def reason(error: Exception) -> str:
   library raised, short enough for the one error line."""
   return (f"{type(error).__name__}: "
           + (str(error).strip().splitlines() or [""])[0][:200])
+
+
+def unknown_field(parents: list[str], key: str, known) -> str:
+  """``"<path>: unknown field (did you mean <path>?)"`` for ``key`` under
+  the dotted ``parents``, with the closest of the ``known`` names there:
+  the one line of a config's unknown field, from a file or a flag."""
+  close = difflib.get_close_matches(key, list(known), n=1)
+  hint = (f" (did you mean {'.'.join(parents + close)!r}?)" if close
+          else "")
+  return f"{'.'.join(parents + [key])}: unknown field{hint}"
 
 
 def fail(message: str) -> None:
