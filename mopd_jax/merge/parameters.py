@@ -52,6 +52,12 @@ PARAMETERS = {p.name: p for p in (
 )}
 
 
+def settings_field(name: str) -> str:
+  """The ``Settings`` field of parameter ``name`` (``lambda`` is a Python
+  keyword: ``lam``)."""
+  return "lam" if name == "lambda" else name
+
+
 def check_parameter(name: str, value: float, where: str) -> None:
   """A ``ConfigError`` naming ``where`` unless ``value`` is valid for
   ``PARAMETERS[name]``."""
@@ -143,7 +149,7 @@ def leaf_settings(name: str, layers: int | None, base: Settings,
             raise ConfigError(f"merge.overrides: a ramp of {key} needs"
                               f" stacked layers, {name!r} has none")
           value = np.linspace(value[0], value[1], layers).astype(np.float32)
-        values["lam" if key == "lambda" else key] = value
+        values[settings_field(key)] = value
       break
   return values
 
@@ -152,7 +158,7 @@ def check_settings(values: Mapping[str, Any], name: str) -> None:
   """Every ``PARAMETERS`` value of the tensor ``name`` (a number, or one
   per layer) valid: a ConfigError naming the field otherwise."""
   for key, p in PARAMETERS.items():
-    value = values["lam" if key == "lambda" else key]
+    value = values[settings_field(key)]
     if not all(p.valid(float(v)) for v in np.ravel(value)):
       raise ConfigError(f"merge.{key}: must be {p.must_be}, got"
                         f" {value!r} for {name}")

@@ -132,7 +132,7 @@ def sweep_grid(settings: parameters.Settings, section) -> list[dict]:
   scale the mixed task vector, times ``density`` for those that sparsify
   it), each over its ``merge.sweep_*`` values; empty for a method with
   neither."""
-  axes = {("lam" if p == "lambda" else p): tuple(section[_SWEEP_FIELDS[p]])
+  axes = {parameters.settings_field(p): tuple(section[_SWEEP_FIELDS[p]])
           for p in methods.sweep_axes(settings.method)}
   if not axes:
     return []
