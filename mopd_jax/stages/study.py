@@ -42,6 +42,14 @@ from mopd_jax.training import SUMMARY_FILE
 # the fields of the open_mopd section that go with each mechanism
 _MECHANISMS = {"token_share": ("token_share_power",),
                "gap_budget": ("gap_statistic",), "reward_refresh": ()}
+
+
+def _mechanism_alone(name: str) -> dict:
+  """The fields ``:open`` sets for Open-MOPD's mechanism ``name``."""
+  return {f"open_mopd.{k}": v for k, v in
+          config_file("mopd", "open").open_mopd.items()
+          if k == name or k in _MECHANISMS[name]}
+
 # The MOPD runs a study can add beside plain MOPD, each a step of that
 # name on the same base, experts, data and evaluation, reported against
 # plain MOPD: the fields they set on configs/mopd.py (open_mopd: the :open
@@ -66,11 +74,8 @@ MOPD_VARIANTS = {
                                 "opd.curriculum_growth": 4},
     "mopd_trb": lambda: {"opd.trb_delta": 0.5, "opd.trb_steps": 25},
     # each Open-MOPD mechanism alone, as the :open variant sets it
-    **{f"mopd_{m}": functools.partial(
-        lambda m: {f"open_mopd.{k}": v for k, v in
-                   config_file("mopd", "open").open_mopd.items()
-                   if k in _MECHANISMS[m] or k == m}, m)
-       for m in ("token_share", "gap_budget", "reward_refresh")},
+    **{f"mopd_{m}": functools.partial(_mechanism_alone, m)
+       for m in _MECHANISMS},
 }
 # Co-evolving experts (configs/copd.py) and the two ways to consolidate
 # them: a merge (the study's copd_merge_method, swept as its merges are)
@@ -218,8 +223,9 @@ def imbalanced(config, smoke: bool) -> None:
   # derive's long answers are learned slowly from scratch (5% greedy at
   # step 550 where chain had 25% by 1400): the base stops at 10% on every
   # training domain instead of 25%, still far from its experts
-  config.overrides.pretrain = tuple(config.overrides.pretrain) + (
-      "data.weights=[]",) + (() if smoke else ("select.target=0.1",))
+  if not smoke:
+    config.overrides.pretrain = tuple(config.overrides.pretrain) + (
+        "select.target=0.1",)
   # derive's rollouts are 40 times instruct's: half the default batches
   # (32 prompts a step), 50 MOPD steps evaluated every 10 on 64 prompts
   # (the dynamics while the domains still improve), experts stopped by
@@ -229,7 +235,6 @@ def imbalanced(config, smoke: bool) -> None:
                         "eval.num_prompts=64", "rl.prompts_per_step=32"))
   if not smoke:
     config.overrides.grpo = ("rl.prompts_per_step=16", "train.steps=200")
-  if not smoke:
     config.eval.update(samples=4, coverage_prompts=64)
 
 
@@ -286,12 +291,12 @@ class Study:
     # Evaluated on: the built-in five (transfer to the held-out one); a
     # choice of built-in domains and the held-out one (the base trains on
     # them); or the user's own domains alone.
-    self.built_in = all(d in DOMAINS or d in EXTRA_DOMAINS
-                        for d in config.domains)
+    built_in = all(d in DOMAINS or d in EXTRA_DOMAINS
+                   for d in config.domains)
     self.eval_domains = (tuple(DOMAINS) if not config.domains else
                          self.domains + tuple(
                              d for d in HELD_OUT_DOMAINS
-                             if d not in self.domains) if self.built_in
+                             if d not in self.domains) if built_in
                          else self.domains)
     self.held_out = tuple(d for d in HELD_OUT_DOMAINS
                           if d in self.eval_domains)
