@@ -28,6 +28,25 @@ def test_checksum_is_a_function_of_names_and_bits():
   assert tree_checksum(recast) != digest
 
 
+def test_a_tree_hashed_again_is_remembered_and_equal_to_its_bytes():
+  """The same jax arrays hashed twice (a final checkpoint, then the
+  summary) give the digest of their bytes; numpy leaves, which can change
+  in place, are hashed anew."""
+  import hashlib
+  tree = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(2, jnp.bfloat16)}
+  want = hashlib.sha256()
+  for name in ("a", "b"):
+    array = np.asarray(tree[name])
+    want.update(f"{name}:{array.dtype.name}:{array.shape}\n".encode())
+    want.update(array.tobytes())
+  assert tree_checksum(tree) == tree_checksum(tree) == want.hexdigest()
+  assert tree_checksum(dict(tree, a=tree["a"] + 1)) != want.hexdigest()
+  mutable = {"a": np.zeros(3, np.float32)}
+  before = tree_checksum(mutable)
+  mutable["a"][0] = 1.0
+  assert tree_checksum(mutable) != before
+
+
 def test_leaf_names_join_keys_with_slashes():
   names = [name for name, _ in named_leaves({"opt": ({"mu": 1},), "w": 2})]
   assert names == ["opt/0/mu", "w"]
