@@ -164,6 +164,38 @@ def test_cli_mopd_with_two_teachers_on_a_sharded_mesh(smoke_run, tmp_path,
   assert json.load(open(run / "headroom.json")) == {"sampled": {"mean": 0.0}}
 
 
+def test_stacked_teachers_keep_their_sharding_and_their_scores():
+  """``teachers.stack_teachers`` on a teacher sub-mesh of 4 devices
+  (fsdp=2 x tensor=2): every stacked leaf is sharded as the teacher's own
+  leaf on its other axes, and the one vmapped pass gives each teacher's
+  scores of every row."""
+  from mopd_jax.distill import teachers
+  from mopd_jax.models import decoder
+  mesh = parallel.make_mesh(data=1, fsdp=2, tensor=2,
+                            devices=jax.devices()[4:])
+  shardings = runs.param_shardings(CFG, mesh)
+  params = [(jax.device_put(decoder.init_params(CFG, jax.random.key(k)),
+                            shardings),) for k in (1, 2)]
+  scorers = [teachers.make_scorer((CFG,), (1.0,), True, False)] * 2
+  scorer, stacked = teachers.stack_teachers(scorers, params)
+  for leaf, alone in zip(jax.tree.leaves(stacked),
+                         jax.tree.leaves(params[0])):
+    assert leaf.sharding.spec == P(None, *alone.sharding.spec)
+    assert leaf.sharding.mesh == alone.sharding.mesh
+  rng = np.random.default_rng(0)
+  arrays = dict(prompt=rng.integers(3, 40, (4, 5)).astype(np.int32),
+                prompt_mask=np.ones((4, 5), np.int32),
+                completion=rng.integers(3, 40, (4, 6)).astype(np.int32),
+                mask=np.ones((4, 6), np.int32))
+  one_each = teachers.score_every(scorers, params, arrays, mesh)
+  together = teachers.score_every(scorers, params, arrays, mesh,
+                                  stacked=(scorer, stacked))
+  for key in ("teacher_logp", "teacher_entropy"):
+    assert one_each[key].shape == (2, 4, 6)
+    np.testing.assert_allclose(together[key], one_each[key], rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_only_process_zero_writes_files(tmp_path, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: 1)
   training.write_json_atomic(str(tmp_path / "summary.json"), {"a": 1})

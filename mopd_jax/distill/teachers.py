@@ -6,7 +6,9 @@ every token to the teacher a label-free rule picks from every teacher's
 scores); and scoring
 (``score``: each teacher runs one forward pass over only the samples
 routed to it, one teacher at a time, its per-token log-probs, entropies
-and hidden states scattered back into batch order).
+and hidden states scattered back into batch order; ``score_every``: every
+teacher every row, one pass each or one ``vmap``-ped pass over their
+stacked parameters, ``stack_teachers``).
 """
 
 from __future__ import annotations
@@ -312,14 +314,12 @@ def sample_routed(student: Model, teachers: list[Teacher],
   return out
 
 
-def _scores(scorers, params, rows_per_teacher, arrays: dict, mesh,
-            hidden_width: int, stacked: bool) -> dict:
-  """Teacher ``j`` scores the rows ``rows_per_teacher[j]`` (padded,
-  ``padded_rows``); every teacher's pass is dispatched before the first
-  result is moved to host. Returns float32 [B, T] arrays, each row its own
-  teacher's (``stacked``: [J, B, T], teacher ``j``'s at ``[j]``), and
-  ``teacher_hidden`` with a last axis of ``hidden_width``, zero-padded."""
-  batch, width = arrays["completion"].shape
+def _dispatch(scorers, params, rows_per_teacher, arrays: dict, mesh
+              ) -> list:
+  """``(j, rows, result)``: teacher ``j`` scores the rows
+  ``rows_per_teacher[j]`` (padded, ``padded_rows``), every pass dispatched
+  before any result is read (the next teacher's batch is prepared while
+  this one scores)."""
   pending = []
   for j, (scorer, p, rows) in enumerate(zip(scorers, params,
                                             rows_per_teacher)):
@@ -330,18 +330,25 @@ def _scores(scorers, params, rows_per_teacher, arrays: dict, mesh,
       batch_in = parallel.shard_batch(
           mesh, {k: arrays[k][idx] for k in ("prompt", "prompt_mask",
                                              "completion", "mask")})
-      # Dispatched, not waited for: the next teacher's batch is prepared
-      # while this one scores.
       pending.append((j, rows, scorer(p, **batch_in)))
-  lead = (len(scorers),) if stacked else ()
+  return pending
+
+
+def _gather(pending, shape, hidden_width: int, teachers: int | None
+            ) -> dict:
+  """The results of ``_dispatch`` as float32 [B, T] arrays, each row its
+  own teacher's (``teachers`` J: [J, B, T], teacher ``j``'s at ``[j]``),
+  and ``teacher_hidden`` with a last axis of ``hidden_width``,
+  zero-padded."""
+  lead = (teachers,) if teachers else ()
   out: dict = {}
   for j, rows, result in pending:
-    at = (j, rows) if stacked else (rows,)
+    at = (j, rows) if teachers else (rows,)
     for key, value in parallel.to_host(result).items():
       value = np.asarray(value)[:rows.size]
       if key not in out:
         tail = (hidden_width,) if value.ndim == 3 else ()
-        out[key] = np.zeros(lead + (batch, width) + tail, np.float32)
+        out[key] = np.zeros(lead + shape + tail, np.float32)
       if value.ndim == 3:
         out[key][at + (slice(None), slice(0, value.shape[-1]))] = value
       else:
@@ -357,17 +364,56 @@ def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
   compile); every teacher's pass is dispatched before the first result is
   moved to host. Returns [B, T] arrays (and
   ``teacher_hidden`` [B, T, hidden_width], zero-padded in the last axis)."""
-  return _scores(scorers, params,
-                 [np.flatnonzero(teacher_ids == j)
-                  for j in range(len(scorers))],
-                 arrays, mesh, hidden_width, stacked=False)
+  pending = _dispatch(scorers, params, [np.flatnonzero(teacher_ids == j)
+                                       for j in range(len(scorers))],
+                      arrays, mesh)
+  return _gather(pending, arrays["completion"].shape, hidden_width, None)
 
 
-def score_every(scorers, params, arrays: dict, mesh, hidden_width: int = 0
-                ) -> dict:
+def stack_teachers(scorers, params) -> tuple | None:
+  """``(scorer, params)``: one scorer ``vmap``-ped over a leading teacher
+  axis and every teacher's parameters stacked on that axis (each leaf's
+  sharding kept for the rest of its axes), so that every teacher scores
+  every token in one pass; None unless every teacher is of one
+  architecture (one compiled scorer: ``make_scorer`` is cached)."""
+  if len(set(scorers)) != 1:
+    return None
+  scorer = scorers[0]
+
+  def stacked_sharding(leaf):
+    sharding = leaf.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      return None
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+
+  stacked = jax.jit(lambda *ps: jax.tree.map(lambda *xs: jnp.stack(xs), *ps),
+                    out_shardings=jax.tree.map(stacked_sharding, params[0])
+                    )(*params)
+
+  @jax.jit
+  def every(stacked_params, prompt, prompt_mask, completion, mask):
+    return jax.vmap(lambda p: scorer(p, prompt, prompt_mask, completion,
+                                     mask))(stacked_params)
+
+  return every, stacked
+
+
+def score_every(scorers, params, arrays: dict, mesh, hidden_width: int = 0,
+                stacked: tuple | None = None) -> dict:
   """Every teacher scores every row (a token router's input): [J, B, T]
-  arrays (and ``teacher_hidden`` [J, B, T, hidden_width]), every pass
-  dispatched before the first is read."""
+  arrays (and ``teacher_hidden`` [J, B, T, hidden_width]); one pass per
+  teacher, every pass dispatched before the first is read, or with
+  ``stacked`` (``stack_teachers``) one pass over all of them."""
   rows = np.arange(len(arrays["completion"]))
-  return _scores(scorers, params, [rows] * len(scorers), arrays, mesh,
-                 hidden_width, stacked=True)
+  if stacked is None:
+    pending = _dispatch(scorers, params, [rows] * len(scorers), arrays, mesh)
+  else:
+    scorer, stacked_params = stacked
+    (_, _, result), = _dispatch([scorer], [stacked_params], [rows], arrays,
+                                mesh)
+    result = parallel.to_host(result)
+    pending = [(j, rows, {k: np.asarray(v)[j] for k, v in result.items()})
+               for j in range(len(scorers))]
+  return _gather(pending, arrays["completion"].shape, hidden_width,
+                 len(scorers))

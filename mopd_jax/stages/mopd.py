@@ -15,6 +15,7 @@ student reward refresh (``a_t`` under the current student at every update).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -70,6 +71,12 @@ def defaults() -> ml_collections.ConfigDict:
       # Devices holding the teachers: 0, the student's mesh; k > 0, a
       # sub-mesh of the last k devices (teachers' parameters sharded over it).
       teacher_devices=0,
+      # A token router's scoring, every teacher on every token: one pass
+      # vmapped over the teachers' stacked parameters (on: teachers of one
+      # architecture required; auto: so on an accelerator when they are)
+      # or one pass per teacher (off; auto on the CPU, where one pass at a
+      # time already fills the cores)
+      teacher_vmap="auto",
       # Who samples the completions the loss is taken on: the student
       # (on-policy) or each domain's expert (teacher prefixes, off-policy
       # distillation; with loss=kl, kl_alpha=1 is forward KL on them).
@@ -105,6 +112,7 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 _PREFIXES = ("student", "teacher")
+_VMAP = ("auto", "on", "off")
 CHECKS = (
     *on_policy.CHECKS,
     ("teachers", bool, "the expert runs: a template with {domain} or"
@@ -119,6 +127,7 @@ CHECKS = (
     ("opd.entropy_threshold", non_negative, ">= 0 (0 disables)"),
     ("opd.extrapolation", non_negative, ">= 0 (1 disables)"),
     ("opd.teacher_devices", non_negative, ">= 0 (0: the student's mesh)"),
+    ("opd.teacher_vmap", lambda v: v in _VMAP, " or ".join(_VMAP)),
     ("opd.prefix", lambda v: v in _PREFIXES, " or ".join(_PREFIXES)),
     ("opd.trb_delta", non_negative, ">= 0 (0: off)"),
     ("opd.trb_steps", non_negative, ">= 0"),
@@ -156,6 +165,12 @@ def validate(full) -> None:
   if opd_cfg.loss != "pg" and opd_cfg.extrapolation != 1.0:
     raise ConfigError("opd.extrapolation: needs opd.loss='pg' (a sampled-token"
                       " signal)")
+  if opd_cfg.teacher_vmap == "on" and (
+      opd_cfg.router not in teachers.TOKEN_ROUTERS):
+    raise ConfigError("opd.teacher_vmap: 'on' stacks the teachers of a token"
+                      " router (opd.router=" + "|".join(
+                          teachers.TOKEN_ROUTERS) + "); routed by sample,"
+                      " each teacher scores only its own rows")
   off_policy = opd_cfg.prefix == "teacher" or opd_cfg.trb_delta > 0
   if opd_cfg.trb_delta > 0 and not opd_cfg.trb_steps:
     raise ConfigError("opd.trb_steps: the TRB warm-up needs the steps its"
@@ -271,6 +286,7 @@ class MOPD:
         else jnp.zeros((len(composed), 1, 1)),
         parallel.replicated(mesh))
     self.hidden_width = int(teacher_w.shape[1]) if wide else 0
+    self.stacked = self._stack(opd_cfg.teacher_vmap)
     self.shared = (teacher_w,)
     self.mesh, self.model_cfg = mesh, model_cfg
     self.max_new_tokens = completion_budget(self.names,
@@ -278,6 +294,25 @@ class MOPD:
     if self.router.needs_align:
       self.align_kl = opd.make_align_kl(model_cfg, config.sampling.temperature,
                                     ops)
+
+  def _stack(self, mode: str):
+    """A token router's teachers stacked for one vmapped pass
+    (``teachers.stack_teachers``), as ``opd.teacher_vmap`` says; their
+    separate copies are then dropped (a token router never samples from
+    a teacher), so the stack costs no extra memory."""
+    if not self.router.per_token or mode == "off" or (
+        mode == "auto" and jax.default_backend() == "cpu"):
+      return None
+    stacked = teachers.stack_teachers(self.scorers, self.teacher_params)
+    if stacked is None:
+      if mode == "on":
+        raise ConfigError("opd.teacher_vmap: 'on' needs teachers of one"
+                          " architecture; theirs differ")
+      return None
+    self.teacher_params = [None] * len(self.scorers)
+    self.teachers = [dataclasses.replace(t, model=teachers.Model(
+        t.model.cfg, None), init=None) for t in self.teachers]
+    return stacked
 
   def init_state(self) -> dict:
     state = {"gap": budget.init_gap_state(len(self.names))}
@@ -341,7 +376,8 @@ class MOPD:
           teacher_ids.astype(np.int32)[:, None], mask.shape).copy()
       return
     every = teachers.score_every(self.scorers, self.teacher_params, data,
-                                 self.teacher_mesh, self.hidden_width)
+                                 self.teacher_mesh, self.hidden_width,
+                                 self.stacked)
     if self.router.needs_align:
       with parallel.activate(self.mesh):
         batch = parallel.shard_batch(self.mesh, {

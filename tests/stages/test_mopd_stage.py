@@ -154,6 +154,37 @@ def test_routed_scores_and_the_kl_loss_match_full_logits(per_token):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
+def test_stacked_teachers_score_every_token_as_one_pass_each_does():
+  """``opd.teacher_vmap``: three teachers of one architecture, stacked and
+  vmapped, give each teacher's own pass's log-probs, entropies and hidden
+  states; teachers of two architectures are not stacked."""
+  student, _ = _models()
+  models = [(_cfg(32), decoder.init_params(_cfg(32), jax.random.key(k)))
+            for k in (1, 2, 3)]
+  data = _batch(student, models[:1], np.zeros(4, np.int32))
+  mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
+  scorers = [teacher_lib.make_scorer((cfg,), (1.0,), True, True)
+             for cfg, _ in models]
+  params = [(p,) for _, p in models]
+  one_each = teacher_lib.score_every(scorers, params, data, mesh, 32)
+  stacked = teacher_lib.stack_teachers(scorers, params)
+  together = teacher_lib.score_every(scorers, [None] * 3, data, mesh, 32,
+                                     stacked)
+  assert one_each.keys() == together.keys() == {
+      "teacher_logp", "teacher_entropy", "teacher_hidden"}
+  assert one_each["teacher_logp"].shape == (3, 4, SAMPLING.max_new_tokens)
+  for key in one_each:
+    np.testing.assert_allclose(together[key], one_each[key], rtol=1e-5,
+                               atol=1e-5)
+  # the teachers differ, so each slot holds its own teacher's scores
+  assert not np.allclose(one_each["teacher_logp"][0],
+                         one_each["teacher_logp"][1])
+  _, mixed = _models()
+  assert teacher_lib.stack_teachers(
+      [teacher_lib.make_scorer((cfg,), (1.0,), True, True)
+       for cfg, _ in mixed], [(p,) for _, p in mixed]) is None
+
+
 def test_expert_align_scores_are_the_full_kl_to_every_teacher():
   """``make_align_kl``: ``KL(pi || T_j)`` per token for every teacher (two
   sizes, hidden states zero-padded), against full logits."""
@@ -467,6 +498,7 @@ def test_cli_distils_from_the_delta_teacher(smoke_run, tmp_path, data_dir,
      "opd.proxy_teacher: the delta teacher already"),
     (dict(router="entropy", prefix="teacher"),
      "opd.prefix: teacher prefixes and TRB sample from each"),
+    (dict(teacher_vmap="on"), "opd.teacher_vmap: 'on' stacks the teachers"),
 ])
 def test_combinations_that_do_not_go_together_are_refused(fields, words):
   """The MOPD module's cross-field checks, each a ConfigError naming the
