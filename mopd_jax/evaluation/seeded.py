@@ -23,6 +23,7 @@ import numpy as np
 
 from mopd_jax.evaluation import intervals, pass_at_k
 from mopd_jax.evaluation.report import FAMILIES, mean_over, versus_mopd
+from mopd_jax.evaluation import study_report
 from mopd_jax.evaluation.study_report import markdown_matrix
 
 UNIT = (0.0, 1.0)  # the range of an accuracy or a pass@k
@@ -56,6 +57,10 @@ def _model_cells(per_seed, model, domains, held_out) -> dict:
                  for d, by_k in entries[0]["pass_at_k"].items()},
       flops=float(np.mean([e["cost"].get("with_experts", e["cost"]).get(
           "flops", 0.0) for e in entries])) if entries[0]["cost"] else None)
+  if all(e.get("shares") for e in entries):  # a distillation's
+    out["shares"] = {kind: {d: intervals.seed_interval(
+        [e["shares"][kind][d] for e in entries], bounds=UNIT) for d in by_d}
+                     for kind, by_d in entries[0]["shares"].items()}
   if all(e.get("routing") for e in entries):  # a token router's
     out["routing"] = {d: {t: float(np.mean([e["routing"][d][t]
                                             for e in entries]))
@@ -263,6 +268,13 @@ def markdown(results: Mapping) -> str:
                 "\n".join(cover[:2] + cover_diff).replace("| model |",
                                                           "| difference |",
                                                           1)]
+  if any(c.get("shares") for c in cells.values()):
+    parts += ["## Loss shares",
+              "Each domain's share of the loss, %, mean over steps and seeds"
+              " [95% interval over seeds]: `tokens`, of the completion tokens"
+              " the loss is taken on; `loss`, of its terms after Open-MOPD's"
+              " domain weights (the gradient's terms).",
+              study_report.shares_table(cells, domains, _share_cell)]
   for name, c in cells.items():
     if c.get("routing"):
       parts += [f"Routing of {name}: the share of each domain's tokens"
@@ -271,6 +283,13 @@ def markdown(results: Mapping) -> str:
                 markdown_matrix(c["routing"], domains, domains,
                                 fmt="{:.1f}")]
   return "\n\n".join(parts) + "\n"
+
+
+def _share_cell(c: Mapping) -> str:
+  """``mean [low, high]`` in %, the mean alone for one seed."""
+  if c["low"] is None:
+    return f"{100 * c['mean']:.1f}"
+  return f"{100 * c['mean']:.1f} [{100 * c['low']:.1f}, {100 * c['high']:.1f}]"
 
 
 def coverage_figure(results: Mapping) -> bytes | None:

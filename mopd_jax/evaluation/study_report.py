@@ -34,27 +34,58 @@ def accuracy_curves(run_dir: str) -> dict:
   return out
 
 
+def _step_means(run_dir: str, keys) -> dict | None:
+  """The mean of each metric of ``keys`` over the run's logged steps that
+  hold the first; None when no step does (or the run did not train)."""
+  if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+    return None
+  rows = [[record.get(k, 0.0) for k in keys]
+          for record in read_metrics(run_dir) if keys[0] in record]
+  if not rows:
+    return None
+  return dict(zip(keys, np.mean(rows, axis=0).tolist()))
+
+
 def routing_matrix(run_dir: str, domains) -> dict | None:
   """``{domain: {teacher: share}}``: the share of each domain's tokens a
   token router sent to each domain's teacher, the mean over the run's
   steps (its ``route/<domain>/<teacher>`` metrics); None for a run that
   routed by the label or did not train (a merge)."""
-  sums: dict = {}
-  steps = 0
-  if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-    return None
-  for record in read_metrics(run_dir):
-    if f"route/{domains[0]}/{domains[0]}" not in record:
-      continue
-    steps += 1
-    for d in domains:
-      for t in domains:
-        row = sums.setdefault(d, {})
-        row[t] = row.get(t, 0.0) + record.get(f"route/{d}/{t}", 0.0)
-  if not steps:
-    return None
-  return {d: {t: v / steps for t, v in row.items()} for d, row in
-          sums.items()}
+  means = _step_means(run_dir, [f"route/{d}/{t}" for d in domains
+                                for t in domains])
+  return None if means is None else {
+      d: {t: means[f"route/{d}/{t}"] for t in domains} for d in domains}
+
+
+SHARES = ("tokens", "loss")
+
+
+def loss_shares(run_dir: str, domains) -> dict | None:
+  """``{"tokens": {domain: share}, "loss": {domain: share}}``: each
+  domain's share of the completion tokens MOPD's loss is taken on, and of
+  the loss's weighted terms after Open-MOPD's domain weights (its share of
+  the gradient's terms), the mean over the run's steps
+  (``share/tokens/<d>``, ``share/loss/<d>``); None for a run that logs
+  neither."""
+  means = _step_means(run_dir, [f"share/{kind}/{d}" for kind in SHARES
+                                for d in domains])
+  return None if means is None else {
+      kind: {d: means[f"share/{kind}/{d}"] for d in domains}
+      for kind in SHARES}
+
+
+def shares_table(entries: Mapping, domains, cell) -> str:
+  """Markdown: each model's token and loss shares per domain, ``cell``
+  formatting one share (a number, or a seed interval)."""
+  rows = ["| model | " + " | ".join(f"{kind} {d}" for kind in SHARES
+                                    for d in domains) + " |",
+          "|---|" + "---|" * (len(SHARES) * len(domains))]
+  for name, entry in entries.items():
+    if entry.get("shares"):
+      rows.append(f"| {name} | " + " | ".join(
+          cell(entry["shares"][kind][d]) for kind in SHARES
+          for d in domains) + " |")
+  return "\n".join(rows)
 
 
 def _pct(v) -> str:
@@ -138,6 +169,12 @@ def _beyond(results: Mapping) -> list[str]:
            "Greedy accuracy, one seed (differences of one seed have the"
            " standard errors of the main table; a study over seeds gives"
            " their intervals).", "\n".join(rows)]
+  parts += ["Each domain's share of MOPD's loss, %, mean over steps:"
+            " `tokens`, of the completion tokens the loss is taken on;"
+            " `loss`, of its terms after Open-MOPD's domain weights (the"
+            " gradient's terms).",
+            shares_table({m: methods[m] for m in ["mopd", *variants]},
+                         domains, lambda v: f"{100 * v:.1f}")]
   for m in variants:
     if methods[m].get("routing"):
       parts += [f"Routing of {m}: the share of each domain's tokens (rows)"

@@ -103,3 +103,39 @@ def test_one_seed_has_no_intervals_and_names_no_false_winner():
   # one seed: the prompt-level bootstrap still separates a, ties b
   assert out["recommendation"]["winners"]["a"] == "mopd"
   assert out["recommendation"]["winners"]["b"] is None
+
+
+def test_loss_shares_are_step_means_then_seed_intervals(tmp_path):
+  """``study_report.loss_shares``: the mean over logged steps of each
+  domain's token and loss shares (steps that log none are skipped); over
+  seeds, the Student-t cell of each, in the seeded report's table."""
+  import json
+  from mopd_jax.evaluation import study_report
+  steps = [{"step": 1, "share/tokens/a": 0.9, "share/tokens/b": 0.1,
+            "share/loss/a": 0.5, "share/loss/b": 0.5},
+           {"step": 2, "eval/greedy/a/accuracy": 0.3},
+           {"step": 3, "share/tokens/a": 0.98, "share/tokens/b": 0.02,
+            "share/loss/a": 0.7, "share/loss/b": 0.3}]
+  (tmp_path / "metrics.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in steps))
+  shares = study_report.loss_shares(str(tmp_path), DOMAINS)
+  assert shares["tokens"] == pytest.approx({"a": 0.94, "b": 0.06})
+  assert shares["loss"] == pytest.approx({"a": 0.6, "b": 0.4})
+  assert study_report.loss_shares(str(tmp_path / "none"), DOMAINS) is None
+  seeds = [0, 1, 2]
+  outcomes = [_outcomes(s) for s in seeds]
+  per_seed = [_results(o) for o in outcomes]
+  for k, r in enumerate(per_seed):
+    r["methods"]["mopd"]["shares"] = {
+        "tokens": {"a": 0.9 + 0.01 * k, "b": 0.1 - 0.01 * k},
+        "loss": {"a": 0.5, "b": 0.5}}
+  out = seeded.aggregate(seeds, per_seed, outcomes,
+                         [_coverage(o) for o in outcomes])
+  cell = out["methods"]["mopd"]["shares"]["tokens"]["b"]
+  assert cell == pytest.approx(intervals.seed_interval([0.1, 0.09, 0.08],
+                                                       bounds=(0.0, 1.0)))
+  assert "shares" not in out["methods"]["mix_rl"]
+  text = seeded.markdown(out)
+  assert "## Loss shares" in text
+  assert "| mopd | 91.0 [" in text and "| mix_rl |" not in text.split(
+      "## Loss shares")[1]

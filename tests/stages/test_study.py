@@ -185,6 +185,8 @@ def test_the_beyond_variants_on_the_smoke_studys_experts(study, data_dir,
       assert sum(methods[name]["routing"][d].values()) == pytest.approx(
           1.0), (name, d)
   assert "routing" not in methods["mopd"]
+  for kind in ("tokens", "loss"):  # each a share of the whole
+    assert sum(methods["mopd"]["shares"][kind].values()) == pytest.approx(1)
   # the co-evolved experts, merged and distilled, beside plain MOPD
   copd = workdir / "copd"
   teachers = json.loads((workdir / "copd_mopd" / "config.json").read_text()
@@ -195,6 +197,7 @@ def test_the_beyond_variants_on_the_smoke_studys_experts(study, data_dir,
   assert {"copd_merge", "copd_mopd"} <= set(methods)
   text = (workdir / "report.md").read_text()
   assert "## Beyond plain MOPD" in text and "Routing of mopd_align" in text
+  assert "| model | tokens " + domains[0] in text
 
 
 def test_a_study_on_file_domains(tmp_path, data_dir, cached_env, smoke_run):
