@@ -149,48 +149,88 @@ class Checkpointer:
       raise CheckpointError(self._save_failed(None, e)) from None
 
 
-def load_params(run_dir: str, params_like: Any) -> Any:
-  """Parameters of the final checkpoint of the run in ``run_dir``
-  (read-only). A damaged final checkpoint is a ``CheckpointError`` naming
-  the run (re-running that run repairs it), not a silent fallback to an
-  earlier step.
+class ParamReader:
+  """The final checkpoint of the run in ``run_dir``, read-only, opened once
+  for many reads (a merge reads each expert leaf by leaf, once per point
+  of its sweep): one manager, the stored shapes read once. A damaged final
+  checkpoint is a ``CheckpointError`` naming the run (re-running that run
+  repairs it), not a silent fallback to an earlier step."""
 
-  ``params_like`` (arrays or ``jax.ShapeDtypeStruct``s with shardings) gives
-  the expected structure; a checkpoint of another shape is a
-  ``CheckpointError`` naming the first mismatching parameter. When it names
-  every parameter, they are verified against the recorded checksum.
-  """
-  with _reader(run_dir) as (root, manager):
-    if manager is None:
+  def __init__(self, run_dir: str):
+    self.run_dir = run_dir
+    self._root = os.path.join(os.path.abspath(os.path.expanduser(run_dir)),
+                              "ckpt")
+    if not os.path.isdir(self._root):
       raise CheckpointError(f"{run_dir}: no checkpoints (no ckpt/ directory)")
-    if not manager.all_steps():
-      raise CheckpointError(f"{run_dir}: no complete checkpoint in {root}")
-    step = max(manager.all_steps())
+    with _quiet_absl():  # its notes on read-only directories
+      # The PyTree handler, unlike the standard one, restores a subtree.
+      self._manager = _manager(self._root, ocp.PyTreeCheckpointHandler(),
+                               read_only=True)
+    try:
+      if not self._manager.all_steps():
+        raise CheckpointError(f"{run_dir}: no complete checkpoint in"
+                              f" {self._root}")
+      self.step = max(self._manager.all_steps())
+      self._stored = self._unreadable_is_named(
+          lambda: _state_metadata(self._manager, self.step)["params"])
+    except BaseException:
+      self.close()
+      raise
+
+  def _unreadable_is_named(self, read: Callable[[], Any]) -> Any:
     try:
       with _quiet_absl():
-        stored = _state_metadata(manager, step)["params"]
-        check_shapes(stored, params_like, f"{run_dir}: parameter", step,
-                     exact=False)
-        target = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                         params_like)}
-        items = {STATE: ocp.args.PyTreeRestore(
-            item=target, partial_restore=True,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(
-                target))}
-        whole = len(named_leaves(stored)) == len(named_leaves(params_like))
-        if whole and os.path.isdir(os.path.join(root, str(step), LOOP)):
-          items[LOOP] = ocp.args.JsonRestore()
-        restored = manager.restore(step, args=ocp.args.Composite(**items))
-        params = restored[STATE]["params"]
-        if LOOP in items:
-          verify(params, dict(restored[LOOP] or {}))
+        return read()
     except CheckpointError:
       raise
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
-          f"{run_dir}: its final checkpoint (step {step}) is unreadable"
-          f" ({reason(e)}); re-run that run to repair it") from None
-    return params
+          f"{self.run_dir}: its final checkpoint (step {self.step}) is"
+          f" unreadable ({reason(e)}); re-run that run to repair it"
+      ) from None
+
+  def read(self, params_like: Any) -> Any:
+    """The parameters of ``params_like``'s structure (arrays or
+    ``jax.ShapeDtypeStruct``s with shardings; a subtree reads only its
+    leaves); a checkpoint of another shape is a ``CheckpointError`` naming
+    the first mismatching parameter. When it names every parameter, they
+    are verified against the recorded checksum."""
+    check_shapes(self._stored, params_like, f"{self.run_dir}: parameter",
+                 self.step, exact=False)
+
+    def restore():
+      target = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                       params_like)}
+      items = {STATE: ocp.args.PyTreeRestore(
+          item=target, partial_restore=True,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(target))}
+      whole = len(named_leaves(self._stored)) == len(named_leaves(
+          params_like))
+      if whole and os.path.isdir(os.path.join(self._root, str(self.step),
+                                              LOOP)):
+        items[LOOP] = ocp.args.JsonRestore()
+      restored = self._manager.restore(self.step,
+                                       args=ocp.args.Composite(**items))
+      if LOOP in items:
+        verify(restored[STATE]["params"], dict(restored[LOOP] or {}))
+      return restored[STATE]["params"]
+
+    return self._unreadable_is_named(restore)
+
+  def close(self) -> None:
+    self._manager.close()
+
+  def __enter__(self) -> "ParamReader":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def load_params(run_dir: str, params_like: Any) -> Any:
+  """``ParamReader(run_dir).read(params_like)``, once."""
+  with ParamReader(run_dir) as reader:
+    return reader.read(params_like)
 
 
 def newest_step(run_dir: str) -> int | None:

@@ -324,31 +324,47 @@ def check_same_model(run_dir: str, run_config, model_cfg, field: str) -> None:
                             f" {theirs.get(key)!r}, the base {mine!r}")
 
 
-def leaf_loader(run_dirs: Sequence[str], model_cfg, mesh):
-  """``name -> [leaf of each run]``: one parameter leaf (``layers/q``) of
-  each run's final checkpoint, read only when asked for, sharded as the
-  parameter is on ``mesh``."""
-  like = dict(checksum.named_leaves(jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-      param_shapes(model_cfg), param_shardings(model_cfg, mesh))))
+class LeafLoader:
+  """``loader(name) -> [leaf of each run]``: one parameter leaf
+  (``layers/q``) of each run's final checkpoint, read only when asked for,
+  sharded as the parameter is on ``mesh``; each checkpoint opened once
+  (``checkpointing.ParamReader``) until ``close`` (or the ``with`` block's
+  end)."""
 
-  def nested(name, leaf):
-    for part in reversed(name.split("/")):
-      leaf = {part: leaf}
-    return leaf
-
-  for run_dir in run_dirs:
-    _warn_unfinished(run_dir)
-
-  def load(name):
-    out = []
+  def __init__(self, run_dirs: Sequence[str], model_cfg, mesh):
+    self._like = dict(checksum.named_leaves(jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        param_shapes(model_cfg), param_shardings(model_cfg, mesh))))
     for run_dir in run_dirs:
-      tree = checkpointing.load_params(run_dir, nested(name, like[name]))
-      check_finite(run_dir, tree)
+      _warn_unfinished(run_dir)
+    self._readers = []
+    try:
+      for run_dir in run_dirs:
+        self._readers.append(checkpointing.ParamReader(run_dir))
+    except BaseException:
+      self.close()
+      raise
+
+  def __call__(self, name: str) -> list:
+    subtree = self._like[name]
+    for part in reversed(name.split("/")):
+      subtree = {part: subtree}
+    out = []
+    for reader in self._readers:
+      tree = reader.read(subtree)
+      check_finite(reader.run_dir, tree)
       out.append(dict(checksum.named_leaves(tree))[name])
     return out
 
-  return load
+  def close(self) -> None:
+    for reader in self._readers:
+      reader.close()
+
+  def __enter__(self) -> "LeafLoader":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 @contextlib.contextmanager

@@ -186,7 +186,7 @@ def test_a_run_with_nan_parameters_is_refused_wherever_it_is_read(tmp_path,
                                                                  capsys):
   """A poisoned run (valid checkpoint, NaN in one leaf) is one error naming
   the parameter: as an init, a teacher or export (``load_params``) and as
-  a merge's expert (``leaf_loader``), which warns of an unfinished one."""
+  a merge's expert (``LeafLoader``), which warns of an unfinished one."""
   from mopd_jax import parallel, runs
   cfg = ModelConfig(vocab_size=16, embed_dim=8, num_layers=1, num_heads=2,
                     num_kv_heads=1, head_dim=4, mlp_dim=16)
@@ -200,9 +200,10 @@ def test_a_run_with_nan_parameters_is_refused_wherever_it_is_read(tmp_path,
   with pytest.raises(CheckpointError, match="parameter final_norm holds NaN"):
     runs.load_params(str(tmp_path), cfg, mesh)
   with pytest.raises(CheckpointError, match="final_norm holds NaN"):
-    runs.leaf_loader([str(tmp_path)], cfg, mesh)("final_norm")
+    with runs.LeafLoader([str(tmp_path)], cfg, mesh) as load:
+      load("final_norm")
   capsys.readouterr()
-  assert runs.leaf_loader([str(tmp_path)], cfg, mesh)("embed")[0].shape == (
-      16, 8)
+  with runs.LeafLoader([str(tmp_path)], cfg, mesh) as load:
+    assert load("embed")[0].shape == (16, 8)
   # an unfinished expert (no summary.json) read by a merge is said once
   assert capsys.readouterr().err.count("has not finished") == 1

@@ -249,10 +249,10 @@ def from_runs(init: str, experts: str, domains: Sequence[str],
   mesh = parallel.make_mesh(data=-1, fsdp=1, tensor=1)
   with parallel.use_rules(parallel.DEFAULT_RULES):
     base = dict(named_leaves(runs.load_params(init, model_cfg, mesh)))
-    return task_vector_geometry(
-        list(base), base.__getitem__,
-        runs.leaf_loader(list(dirs.values()), model_cfg, mesh), list(dirs),
-        model_cfg.embed_dim, lambda n: n.startswith("layers/"), tolerance)
+    with runs.LeafLoader(list(dirs.values()), model_cfg, mesh) as experts:
+      return task_vector_geometry(
+          list(base), base.__getitem__, experts, list(dirs),
+          model_cfg.embed_dim, lambda n: n.startswith("layers/"), tolerance)
 
 
 def main() -> None:

@@ -176,21 +176,26 @@ def run(config, workdir: str):
   settings = settings_from(config.merge, len(dirs))
   rules = parameters.parse_overrides(config.merge.overrides)
   base = runs.load_params(config.init, model_cfg, mesh)
-  expert_leaves = runs.leaf_loader(list(dirs.values()), model_cfg, mesh)
-
-  def merged(s):
-    with parallel.activate(mesh):
-      return tree.merge_params(base, expert_leaves, s, rules, config.seed,
-                                _is_stacked)
-
-  grid = sweep_grid(settings, config.merge) if config.merge.sweep else []
   score = None if data_free else _validation(config, model_cfg, tokenizer,
                                              mesh)
-  validation = None
-  if grid:
-    settings, validation = _sweep(config, workdir, settings, grid, merged,
-                                  score)
-  params = merged(settings)
+  validation = found = None
+  with runs.LeafLoader(list(dirs.values()), model_cfg, mesh) as expert_leaves:
+
+    def merged(s):
+      with parallel.activate(mesh):
+        return tree.merge_params(base, expert_leaves, s, rules, config.seed,
+                                 _is_stacked)
+
+    grid = sweep_grid(settings, config.merge) if config.merge.sweep else []
+    if grid:
+      settings, validation = _sweep(config, workdir, settings, grid, merged,
+                                    score)
+    params = merged(settings)
+    if config.merge.geometry:
+      base_leaves = dict(named_leaves(base))
+      found = geometry.task_vector_geometry(
+          list(base_leaves), base_leaves.__getitem__, expert_leaves, names,
+          model_cfg.embed_dim, _is_stacked, tolerance=config.merge.tolerance)
   ckpt = Checkpointer(workdir, every=1, keep=1)
   try:
     if 0 not in ckpt.all_steps():
@@ -205,11 +210,7 @@ def run(config, workdir: str):
     scalars = evaluator.make_eval_fn(config, model_cfg, tokenizer, test_sets,
                                      mesh)({"params": params}, 0)
     runs.write_eval(workdir, 0)(scalars)
-  if config.merge.geometry:
-    base_leaves = dict(named_leaves(base))
-    found = geometry.task_vector_geometry(
-        list(base_leaves), base_leaves.__getitem__, expert_leaves, names,
-        model_cfg.embed_dim, _is_stacked, tolerance=config.merge.tolerance)
+  if found:
     geometry.write(workdir, found)
     print("task-vector cosine:\n" + "\n".join(
         f"  {d:9s}" + " ".join(f"{found['cosine'][d][e]:6.3f}"
