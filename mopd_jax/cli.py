@@ -124,6 +124,29 @@ def parse_flags(argv):
     fail(flag_error(e, argv))
 
 
+# Compiled programs kept across runs, as JAX's persistent cache keeps them:
+# a study's seeds and steps, a re-run and a resumed run compile the same
+# programs (the smoke study took 33 s with the cache warm, 45 s without).
+# JAX's own variables choose another folder (empty: no cache) or size.
+XLA_CACHE = os.path.join("~", ".cache", "mopd_jax", "xla")
+XLA_CACHE_BYTES = 4 << 30  # the least recently used programs go first
+
+
+def use_compilation_cache() -> None:
+  """``XLA_CACHE`` as JAX's compilation cache, unless
+  ``JAX_COMPILATION_CACHE_DIR`` says otherwise; set in the environment
+  too, so that the processes a run starts (a study's seeds) share it."""
+  import jax  # pylint: disable=import-outside-toplevel
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                        os.path.expanduser(XLA_CACHE))
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE",
+                        str(XLA_CACHE_BYTES))
+  jax.config.update("jax_compilation_cache_dir",
+                    os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
+  jax.config.update("jax_compilation_cache_max_size",
+                    int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+
+
 def run(main: Callable[..., None], commands: tuple[str, ...] = ()) -> None:
   """``absl.app.run`` of ``main()`` with the contract above; with
   ``commands``, the one positional argument must be one of them and is
@@ -141,6 +164,7 @@ def run(main: Callable[..., None], commands: tuple[str, ...] = ()) -> None:
       # Library logs, errors included (Orbax logs a failed background save
       # with its traceback), would bury the one line that says what to do.
       logging.set_verbosity(logging.FATAL)
+    use_compilation_cache()
     guarded(main, *args)
 
   _split_dotted_paths()

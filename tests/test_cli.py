@@ -41,3 +41,32 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch):
   with pytest.raises(UserError, match=f"{path}: cannot write .No space"):
     atomic.write_json_atomic(path, {"a": 1})
   assert os.listdir(tmp_path) == []  # the temporary file removed
+
+
+@pytest.mark.parametrize("environment, want", [
+    ({}, "HOME/.cache/mopd_jax/xla"), ({"JAX_COMPILATION_CACHE_DIR": "/c"},
+                                       "/c"),
+    ({"JAX_COMPILATION_CACHE_DIR": ""}, None)])
+def test_compiled_programs_are_kept_where_jax_is_told(tmp_path, monkeypatch,
+                                                      environment, want):
+  """Every command keeps compiled programs in ~/.cache/mopd_jax/xla
+  (exported, so a study's seed processes share them), or where JAX's own
+  variable says, or nowhere when it is empty."""
+  import jax
+  from mopd_jax import cli
+  monkeypatch.setenv("HOME", str(tmp_path))
+  for key in ("JAX_COMPILATION_CACHE_DIR", "JAX_COMPILATION_CACHE_MAX_SIZE"):
+    monkeypatch.delenv(key, raising=False)
+  for key, value in environment.items():
+    monkeypatch.setenv(key, value)
+  before = {key: jax.config.values[key] for key in (
+      "jax_compilation_cache_dir", "jax_compilation_cache_max_size")}
+  try:
+    cli.use_compilation_cache()
+    got = jax.config.values["jax_compilation_cache_dir"]
+    assert got == (want.replace("HOME", str(tmp_path)) if want else None)
+    assert os.environ["JAX_COMPILATION_CACHE_DIR"] == (got or "")
+    assert jax.config.values["jax_compilation_cache_max_size"] == 4 << 30
+  finally:
+    for key, value in before.items():
+      jax.config.update(key, value)
