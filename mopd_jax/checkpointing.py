@@ -158,14 +158,10 @@ class ParamReader:
 
   def __init__(self, run_dir: str):
     self.run_dir = run_dir
-    self._root = os.path.join(os.path.abspath(os.path.expanduser(run_dir)),
-                              "ckpt")
-    if not os.path.isdir(self._root):
+    self._root = _checkpoints_of(run_dir)
+    self._manager = _read_only_manager(self._root)
+    if self._manager is None:
       raise CheckpointError(f"{run_dir}: no checkpoints (no ckpt/ directory)")
-    with _quiet_absl():  # its notes on read-only directories
-      # The PyTree handler, unlike the standard one, restores a subtree.
-      self._manager = _manager(self._root, ocp.PyTreeCheckpointHandler(),
-                               read_only=True)
     try:
       if not self._manager.all_steps():
         raise CheckpointError(f"{run_dir}: no complete checkpoint in"
@@ -236,25 +232,27 @@ def load_params(run_dir: str, params_like: Any) -> Any:
 def newest_step(run_dir: str) -> int | None:
   """The step of the newest complete checkpoint of the run in ``run_dir``
   (the one ``load_params`` reads); None without one."""
-  with _reader(run_dir) as (_, manager):
-    return max(manager.all_steps(), default=None) if manager else None
-
-
-@contextlib.contextmanager
-def _reader(run_dir: str):
-  """``(root, manager)``: a read-only manager of ``<run_dir>/ckpt``, closed
-  on exit; ``manager`` is None when there is no such folder."""
-  root = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), "ckpt")
-  if not os.path.isdir(root):
-    yield root, None
-    return
-  # The PyTree handler, unlike the standard one, restores a subtree.
-  with _quiet_absl():  # its notes on read-only directories, once per read
-    manager = _manager(root, ocp.PyTreeCheckpointHandler(), read_only=True)
+  manager = _read_only_manager(_checkpoints_of(run_dir))
+  if manager is None:
+    return None
   try:
-    yield root, manager
+    return max(manager.all_steps(), default=None)
   finally:
     manager.close()
+
+
+def _checkpoints_of(run_dir: str) -> str:
+  return os.path.join(os.path.abspath(os.path.expanduser(run_dir)), "ckpt")
+
+
+def _read_only_manager(root: str) -> ocp.CheckpointManager | None:
+  """A read-only manager of the checkpoints in ``root``; None when there
+  is no such folder."""
+  if not os.path.isdir(root):
+    return None
+  with _quiet_absl():  # its notes on read-only directories, once per read
+    # The PyTree handler, unlike the standard one, restores a subtree.
+    return _manager(root, ocp.PyTreeCheckpointHandler(), read_only=True)
 
 
 def verify(params: Any, loop: dict) -> None:

@@ -134,17 +134,26 @@ XLA_CACHE_BYTES = 4 << 30  # the least recently used programs go first
 
 def use_compilation_cache() -> None:
   """``XLA_CACHE`` as JAX's compilation cache, unless
-  ``JAX_COMPILATION_CACHE_DIR`` says otherwise; set in the environment
-  too, so that the processes a run starts (a study's seeds) share it."""
+  ``JAX_COMPILATION_CACHE_DIR`` says otherwise (empty: none); set in the
+  environment too, so that the processes a run starts (a study's seeds)
+  share it."""
   import jax  # pylint: disable=import-outside-toplevel
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                         os.path.expanduser(XLA_CACHE))
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE",
                         str(XLA_CACHE_BYTES))
-  jax.config.update("jax_compilation_cache_dir",
-                    os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
-  jax.config.update("jax_compilation_cache_max_size",
-                    int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+  folder = os.environ["JAX_COMPILATION_CACHE_DIR"]
+  if not folder:  # off, in the processes it starts too
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  try:
+    size = int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"])
+  except ValueError:
+    fail("JAX_COMPILATION_CACHE_MAX_SIZE: "
+         f"{os.environ['JAX_COMPILATION_CACHE_MAX_SIZE']!r} is not a number"
+         " of bytes")
+  jax.config.update("jax_enable_compilation_cache", bool(folder))
+  jax.config.update("jax_compilation_cache_dir", folder or None)
+  jax.config.update("jax_compilation_cache_max_size", size)
 
 
 def run(main: Callable[..., None], commands: tuple[str, ...] = ()) -> None:

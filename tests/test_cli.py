@@ -59,13 +59,19 @@ def test_compiled_programs_are_kept_where_jax_is_told(tmp_path, monkeypatch,
     monkeypatch.delenv(key, raising=False)
   for key, value in environment.items():
     monkeypatch.setenv(key, value)
+  monkeypatch.delenv("JAX_ENABLE_COMPILATION_CACHE", raising=False)
   before = {key: jax.config.values[key] for key in (
-      "jax_compilation_cache_dir", "jax_compilation_cache_max_size")}
+      "jax_compilation_cache_dir", "jax_compilation_cache_max_size",
+      "jax_enable_compilation_cache")}
   try:
     cli.use_compilation_cache()
     got = jax.config.values["jax_compilation_cache_dir"]
     assert got == (want.replace("HOME", str(tmp_path)) if want else None)
+    assert jax.config.values["jax_enable_compilation_cache"] == bool(want)
     assert os.environ["JAX_COMPILATION_CACHE_DIR"] == (got or "")
+    # the processes it starts read the same from the environment
+    assert os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "true") == (
+        "true" if want else "false")
     assert jax.config.values["jax_compilation_cache_max_size"] == 4 << 30
   finally:
     for key, value in before.items():

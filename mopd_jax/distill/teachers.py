@@ -370,6 +370,28 @@ def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
   return _gather(pending, arrays["completion"].shape, hidden_width, None)
 
 
+def room_to_stack(params) -> bool:
+  """Whether stacking the teachers' ``params`` is worth it and fits: on
+  an accelerator (on the CPU one pass at a time already fills the cores)
+  whose every device has free memory for its share of a second copy of
+  them (the stack is built before the separate copies are dropped). The
+  one pass also holds every teacher's activations at once; where those
+  do not fit, ``opd.teacher_vmap=off``."""
+  leaves = jax.tree.leaves(params)
+  if not leaves or jax.default_backend() == "cpu":
+    return False
+  need: dict = {}
+  for leaf in leaves:
+    for shard in leaf.addressable_shards:
+      need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+  for device, extra in need.items():
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats or (
+        stats["bytes_limit"] - stats.get("bytes_in_use", 0) < extra):
+      return False
+  return True
+
+
 def stack_teachers(scorers, params) -> tuple | None:
   """``(scorer, params)``: one scorer ``vmap``-ped over a leading teacher
   axis and every teacher's parameters stacked on that axis (each leaf's

@@ -24,7 +24,6 @@ import numpy as np
 from mopd_jax.evaluation import intervals, pass_at_k
 from mopd_jax.evaluation.report import FAMILIES, mean_over, versus_mopd
 from mopd_jax.evaluation import study_report
-from mopd_jax.evaluation.study_report import markdown_matrix
 
 UNIT = (0.0, 1.0)  # the range of an accuracy or a pass@k
 
@@ -270,17 +269,15 @@ def markdown(results: Mapping) -> str:
                                                           1)]
   if any(c.get("shares") for c in cells.values()):
     parts += ["## Loss shares",
-              "Each domain's share of the loss, %, mean over steps and seeds"
-              " [95% interval over seeds]: `tokens`, of the completion tokens"
-              " the loss is taken on; `loss`, of its terms after Open-MOPD's"
-              " domain weights (the gradient's terms).",
+              study_report.SHARES_CAPTION.format(
+                  " and seeds [95% interval over seeds]"),
               study_report.shares_table(cells, domains, _share_cell)]
   for name, c in cells.items():
     if c.get("routing"):
       parts += [f"Routing of {name}: the share of each domain's tokens"
                 " (rows) sent to each domain's teacher (columns), %, mean"
                 " over steps and seeds; the oracle is the diagonal.",
-                markdown_matrix(c["routing"], domains, domains,
+                study_report.markdown_matrix(c["routing"], domains, domains,
                                 fmt="{:.1f}")]
   return "\n\n".join(parts) + "\n"
 

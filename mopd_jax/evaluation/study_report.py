@@ -36,11 +36,11 @@ def accuracy_curves(run_dir: str) -> dict:
 
 def _step_means(run_dir: str, keys) -> dict | None:
   """The mean of each metric of ``keys`` over the run's logged steps that
-  hold the first; None when no step does (or the run did not train)."""
+  hold the last; None when no step does (or the run did not train)."""
   if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
     return None
   rows = [[record.get(k, 0.0) for k in keys]
-          for record in read_metrics(run_dir) if keys[0] in record]
+          for record in read_metrics(run_dir) if keys[-1] in record]
   if not rows:
     return None
   return dict(zip(keys, np.mean(rows, axis=0).tolist()))
@@ -65,13 +65,20 @@ def loss_shares(run_dir: str, domains) -> dict | None:
   domain's share of the completion tokens MOPD's loss is taken on, and of
   the loss's weighted terms after Open-MOPD's domain weights (its share of
   the gradient's terms), the mean over the run's steps
-  (``share/tokens/<d>``, ``share/loss/<d>``); None for a run that logs
-  neither."""
+  (``share/tokens/<d>``, ``share/loss/<d>``); None for a run that does
+  not distil (every on-policy run logs its token shares; only a
+  distillation logs loss shares)."""
   means = _step_means(run_dir, [f"share/{kind}/{d}" for kind in SHARES
                                 for d in domains])
   return None if means is None else {
       kind: {d: means[f"share/{kind}/{d}"] for d in domains}
       for kind in SHARES}
+
+
+SHARES_CAPTION = ("Each domain's share of the distillation loss, %, mean"
+                  " over steps{}: `tokens`, of the completion tokens the"
+                  " loss is taken on; `loss`, of its terms after"
+                  " Open-MOPD's domain weights (the gradient's terms).")
 
 
 def shares_table(entries: Mapping, domains, cell) -> str:
@@ -169,12 +176,10 @@ def _beyond(results: Mapping) -> list[str]:
            "Greedy accuracy, one seed (differences of one seed have the"
            " standard errors of the main table; a study over seeds gives"
            " their intervals).", "\n".join(rows)]
-  parts += ["Each domain's share of MOPD's loss, %, mean over steps:"
-            " `tokens`, of the completion tokens the loss is taken on;"
-            " `loss`, of its terms after Open-MOPD's domain weights (the"
-            " gradient's terms).",
-            shares_table({m: methods[m] for m in ["mopd", *variants]},
-                         domains, lambda v: f"{100 * v:.1f}")]
+  if any(methods[m].get("shares") for m in ["mopd", *variants]):
+    parts += [SHARES_CAPTION.format(""),
+              shares_table({m: methods[m] for m in ["mopd", *variants]},
+                           domains, lambda v: f"{100 * v:.1f}")]
   for m in variants:
     if methods[m].get("routing"):
       parts += [f"Routing of {m}: the share of each domain's tokens (rows)"

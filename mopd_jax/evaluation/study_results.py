@@ -99,9 +99,8 @@ def write_results(study: StudyRuns) -> dict:
                if run_dir and report.versus_mopd(model) else None)
     if routing:
       entries[model]["routing"] = routing
-    shares = (study_report.loss_shares(run_dir, study.domains)
-              if run_dir and model.startswith(("mopd", "open_mopd"))
-              else None)
+    shares = study_report.loss_shares(run_dir, study.domains) if (
+        run_dir) else None
     if shares:
       entries[model]["shares"] = shares
   geometry_path = next((os.path.join(study.models[m], "geometry.json")

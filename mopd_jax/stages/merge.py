@@ -191,17 +191,17 @@ def run(config, workdir: str):
       settings, validation = _sweep(config, workdir, settings, grid, merged,
                                     score)
     params = merged(settings)
-    if config.merge.geometry:
+    ckpt = Checkpointer(workdir, every=1, keep=1)
+    try:
+      if 0 not in ckpt.all_steps():
+        ckpt.save(0, {"params": params}, force=True)
+    finally:
+      ckpt.close()
+    if config.merge.geometry:  # written after the evaluation, as before
       base_leaves = dict(named_leaves(base))
       found = geometry.task_vector_geometry(
           list(base_leaves), base_leaves.__getitem__, expert_leaves, names,
           model_cfg.embed_dim, _is_stacked, tolerance=config.merge.tolerance)
-  ckpt = Checkpointer(workdir, every=1, keep=1)
-  try:
-    if 0 not in ckpt.all_steps():
-      ckpt.save(0, {"params": params}, force=True)
-  finally:
-    ckpt.close()
 
   if not data_free:
     if validation is None:

@@ -73,9 +73,10 @@ def defaults() -> ml_collections.ConfigDict:
       teacher_devices=0,
       # A token router's scoring, every teacher on every token: one pass
       # vmapped over the teachers' stacked parameters (on: teachers of one
-      # architecture required; auto: so on an accelerator when they are)
-      # or one pass per teacher (off; auto on the CPU, where one pass at a
-      # time already fills the cores)
+      # architecture required; auto: so on an accelerator when they are
+      # and its devices hold a second copy of them while stacking) or one
+      # pass per teacher (off; auto on the CPU, where one pass at a time
+      # already fills the cores)
       teacher_vmap="auto",
       # Who samples the completions the loss is taken on: the student
       # (on-policy) or each domain's expert (teacher prefixes, off-policy
@@ -166,11 +167,12 @@ def validate(full) -> None:
     raise ConfigError("opd.extrapolation: needs opd.loss='pg' (a sampled-token"
                       " signal)")
   if opd_cfg.teacher_vmap == "on" and (
-      opd_cfg.router not in teachers.TOKEN_ROUTERS):
+      opd_cfg.router not in teachers.TOKEN_ROUTERS or opd_cfg.proxy_teacher):
     raise ConfigError("opd.teacher_vmap: 'on' stacks the teachers of a token"
                       " router (opd.router=" + "|".join(
-                          teachers.TOKEN_ROUTERS) + "); routed by sample,"
-                      " each teacher scores only its own rows")
+                          teachers.TOKEN_ROUTERS) + "), without"
+                      " proxy_teacher; routed by sample, each teacher scores"
+                      " only its own rows")
   off_policy = opd_cfg.prefix == "teacher" or opd_cfg.trb_delta > 0
   if opd_cfg.trb_delta > 0 and not opd_cfg.trb_steps:
     raise ConfigError("opd.trb_steps: the TRB warm-up needs the steps its"
@@ -297,11 +299,15 @@ class MOPD:
 
   def _stack(self, mode: str):
     """A token router's teachers stacked for one vmapped pass
-    (``teachers.stack_teachers``), as ``opd.teacher_vmap`` says; their
-    separate copies are then dropped (a token router never samples from
-    a teacher), so the stack costs no extra memory."""
+    (``teachers.stack_teachers``), as ``opd.teacher_vmap`` says: ``on``,
+    or ``auto`` where ``teachers.room_to_stack``; their separate copies
+    are then dropped (a token router never samples from a teacher). Not
+    for proxy teachers, whose student base would be stacked once per
+    teacher (``validate`` refuses ``on`` with them)."""
     if not self.router.per_token or mode == "off" or (
-        mode == "auto" and jax.default_backend() == "cpu"):
+        self.config.opd.proxy_teacher) or (
+            mode == "auto" and not teachers.room_to_stack(
+                self.teacher_params)):
       return None
     stacked = teachers.stack_teachers(self.scorers, self.teacher_params)
     if stacked is None:

@@ -450,6 +450,7 @@ def _seed_process(config, workdir: str, log: str) -> None:
     def main():
       parallel.use_cpu_devices(config.mesh.cpu_devices)
       stages.run(config, workdir)
+    cli.use_compilation_cache()  # the parent's, from the environment
     cli.guarded(main)
 
 

@@ -107,7 +107,8 @@ def test_one_seed_has_no_intervals_and_names_no_false_winner():
 
 def test_loss_shares_are_step_means_then_seed_intervals(tmp_path):
   """``study_report.loss_shares``: the mean over logged steps of each
-  domain's token and loss shares (steps that log none are skipped); over
+  domain's token and loss shares (steps that log none are skipped; a run
+  without loss shares, RL, has none); over
   seeds, the Student-t cell of each, in the seeded report's table."""
   import json
   from mopd_jax.evaluation import study_report
@@ -122,6 +123,11 @@ def test_loss_shares_are_step_means_then_seed_intervals(tmp_path):
   assert shares["tokens"] == pytest.approx({"a": 0.94, "b": 0.06})
   assert shares["loss"] == pytest.approx({"a": 0.6, "b": 0.4})
   assert study_report.loss_shares(str(tmp_path / "none"), DOMAINS) is None
+  rl = tmp_path / "rl"  # an RL run logs token shares, no loss shares
+  rl.mkdir()
+  (rl / "metrics.jsonl").write_text(json.dumps(
+      {"step": 1, "share/tokens/a": 0.5, "share/tokens/b": 0.5}) + "\n")
+  assert study_report.loss_shares(str(rl), DOMAINS) is None
   seeds = [0, 1, 2]
   outcomes = [_outcomes(s) for s in seeds]
   per_seed = [_results(o) for o in outcomes]

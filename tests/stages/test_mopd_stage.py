@@ -185,6 +185,44 @@ def test_stacked_teachers_score_every_token_as_one_pass_each_does():
        for cfg, _ in mixed], [(p,) for _, p in mixed]) is None
 
 
+def test_the_stage_stacks_a_token_routers_teachers_as_teacher_vmap_says():
+  """``MOPD._stack``: ``on`` stacks teachers of one architecture and drops
+  their separate copies; ``auto`` does not on the CPU; ``off``, routing
+  by sample or proxy teachers never stack; ``on`` with two architectures
+  is one ConfigError."""
+  student, _ = _models()
+  same = [(_cfg(32), decoder.init_params(_cfg(32), jax.random.key(k)))
+          for k in (1, 2)]
+
+  def stage(models, router="entropy", proxy=False):
+    method = mopd_stage.MOPD.__new__(mopd_stage.MOPD)
+    method.config = stages.defaults("mopd")
+    method.config.opd.proxy_teacher = proxy
+    method.scorers = [teacher_lib.make_scorer((cfg,), (1.0,), True, False)
+                      for cfg, _ in models]
+    method.teacher_params = [(p,) for _, p in models]
+    method.teachers = [teacher_lib.Teacher(d, "", teacher_lib.Model(cfg, p),
+                                           None)
+                       for d, (cfg, p) in zip("ab", models)]
+    method.router = teacher_lib.ROUTERS[router](("a", "b"), method.teachers)
+    return method
+
+  method = stage(same)
+  scorer, stacked = method._stack("on")
+  assert jax.tree.leaves(stacked)[0].shape[0] == 2
+  assert method.teacher_params == [None, None]
+  assert all(t.model.params is None and t.model.cfg == same[0][0]
+             for t in method.teachers)
+  assert stage(same)._stack("auto") is None  # the CPU
+  assert not teacher_lib.room_to_stack([(p,) for _, p in same])
+  for method in (stage(same)._stack("off"),
+                 stage(same, router="oracle")._stack("on"),
+                 stage(same, proxy=True)._stack("on")):
+    assert method is None
+  with pytest.raises(ConfigError, match="'on' needs teachers of one"):
+    stage(_models()[1])._stack("on")
+
+
 def test_expert_align_scores_are_the_full_kl_to_every_teacher():
   """``make_align_kl``: ``KL(pi || T_j)`` per token for every teacher (two
   sizes, hidden states zero-padded), against full logits."""
