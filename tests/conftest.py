@@ -31,16 +31,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 
-# The longest modules first (the real model's runs, the smoke studies: a
-# third of the suite's time), so that the two workers do not end on one
-# of them with the other idle.
-LONGEST_FIRST = ("tests/stages/test_study.py", "tests/test_real_model.py")
-
-
-def pytest_collection_modifyitems(items):
-  items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
-
-
 def pytest_unconfigure(config):
   if _OWN_CACHE and not hasattr(config, "workerinput"):
     import shutil
