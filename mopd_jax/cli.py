@@ -127,9 +127,10 @@ def parse_flags(argv):
 # Compiled programs kept across runs, as JAX's persistent cache keeps them:
 # a study's seeds and steps, a re-run and a resumed run compile the same
 # programs (the smoke study took 33 s with the cache warm, 45 s without).
-# JAX's own variables choose another folder (empty: no cache) or size.
+# JAX's own variables choose another folder (empty: no cache) or a bound
+# on its size (JAX_COMPILATION_CACHE_MAX_SIZE; unbounded by default, as
+# JAX's).
 XLA_CACHE = os.path.join("~", ".cache", "mopd_jax", "xla")
-XLA_CACHE_BYTES = 4 << 30  # the least recently used programs go first
 
 
 def use_compilation_cache() -> None:
@@ -140,20 +141,11 @@ def use_compilation_cache() -> None:
   import jax  # pylint: disable=import-outside-toplevel
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                         os.path.expanduser(XLA_CACHE))
-  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE",
-                        str(XLA_CACHE_BYTES))
   folder = os.environ["JAX_COMPILATION_CACHE_DIR"]
   if not folder:  # off, in the processes it starts too
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-  try:
-    size = int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"])
-  except ValueError:
-    fail("JAX_COMPILATION_CACHE_MAX_SIZE: "
-         f"{os.environ['JAX_COMPILATION_CACHE_MAX_SIZE']!r} is not a number"
-         " of bytes")
   jax.config.update("jax_enable_compilation_cache", bool(folder))
   jax.config.update("jax_compilation_cache_dir", folder or None)
-  jax.config.update("jax_compilation_cache_max_size", size)
 
 
 def run(main: Callable[..., None], commands: tuple[str, ...] = ()) -> None:
