@@ -169,6 +169,7 @@ class ParamReader:
       self.step = max(self._manager.all_steps())
       self._stored = self._unreadable_is_named(
           lambda: _state_metadata(self._manager, self.step)["params"])
+      self._leaves = len(named_leaves(self._stored))
     except BaseException:
       self.close()
       raise
@@ -200,8 +201,7 @@ class ParamReader:
       items = {STATE: ocp.args.PyTreeRestore(
           item=target, partial_restore=True,
           restore_args=ocp.checkpoint_utils.construct_restore_args(target))}
-      whole = len(named_leaves(self._stored)) == len(named_leaves(
-          params_like))
+      whole = self._leaves == len(named_leaves(params_like))
       if whole and os.path.isdir(os.path.join(self._root, str(self.step),
                                               LOOP)):
         items[LOOP] = ocp.args.JsonRestore()
