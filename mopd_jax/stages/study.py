@@ -23,6 +23,7 @@ import json
 import os
 import time
 
+import jax
 import ml_collections
 
 from mopd_jax import config as config_lib
@@ -62,6 +63,10 @@ MOPD_VARIANTS = {
     "mopd_novelty": lambda: {"opd.router": "novelty"},
     "mopd_align": lambda: {"opd.router": "expert_align"},
     "mopd_from_merge": dict,
+    # one-step-async rollouts (a second device samples; on a CPU the study
+    # needs mesh.cpu_devices=2, which :beyond sets), the truncated weight
+    # of bench_async.py
+    "mopd_async": lambda: {"rl.max_policy_lag": 1, "rl.tis_cap": 2.0},
     # prefix source x KL direction (plain MOPD: student prefixes, reverse)
     "mopd_forward": lambda: {"opd.kl_alpha": 1.0},
     "mopd_mixed": lambda: {"opd.kl_alpha": 0.5},
@@ -163,7 +168,7 @@ CHECKS = (
 # study variant -> the MOPD variants it adds (MOPD_VARIANTS)
 STUDY_ADDITIONS = {
     "beyond": ("mopd_delta", "mopd_entropy", "mopd_novelty", "mopd_align",
-               "mopd_from_merge"),
+               "mopd_from_merge", "mopd_async"),
     "variants": ("mopd_forward", "mopd_mixed", "mopd_teacher_reverse",
                  "mopd_teacher_forward", "mopd_curriculum", "mopd_trb",
                  *COPD_STEPS),
@@ -191,6 +196,8 @@ def recipe(config, variant: str) -> None:
   if added:  # MOPD variants beside plain MOPD, before the evaluations
     at = config.steps.index("evaluate")
     config.steps = config.steps[:at] + added + config.steps[at:]
+  if "mopd_async" in added:  # its sampler's own device (CPU hosts only)
+    config.mesh.cpu_devices = max(config.mesh.cpu_devices, 2)
   if variant.endswith("imbalanced"):
     imbalanced(config, smoke=variant.startswith("smoke"))
   if variant == "seeds":
@@ -689,6 +696,10 @@ def check(config) -> None:
     raise ConfigError(f"eval.coverage_prompts: {config.eval.coverage_prompts}"
                       f" must be <= eval.num_prompts"
                       f" ({config.eval.num_prompts})")
+  if "mopd_async" in config.steps and jax.device_count() < 2:
+    raise ConfigError("steps: mopd_async samples on a device of its own;"
+                      " this host has one (on a CPU:"
+                      " --config.mesh.cpu_devices=2)")
   if "mopd_from_merge" in config.steps and not config.merge_methods:
     raise ConfigError("steps: mopd_from_merge starts from the best of"
                       " merge_methods, which is empty")
