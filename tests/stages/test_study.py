@@ -4,6 +4,7 @@ cached re-run), and each new statistic against hand-computed values."""
 import json
 import math
 
+import jax
 import pytest
 
 from conftest import ROOT, load_config, math_file, run_notebook, train_cli
@@ -444,6 +445,22 @@ def test_every_added_mopd_variant_is_a_valid_step(variant):
   added = [s for s in config.steps if s.startswith("mopd_")]
   assert len(added) >= 5 and set(added) <= set(study_stage.MOPD_VARIANTS)
   study_stage.check(config)
+
+
+def test_the_async_row_needs_a_device_for_its_sampler(monkeypatch):
+  """``mopd_async`` is one-step-async MOPD (lag 1, truncated weights);
+  ``:beyond`` splits a CPU into two devices for it, and a study with the
+  step on a one-device host is refused before anything runs."""
+  config = stages.validate(load_config("study", "beyond"))
+  assert "mopd_async" in config.steps and config.mesh.cpu_devices == 2
+  study = study_stage.Study(config, "<workdir>")
+  child = study.child_config("mopd", init=study.base, teachers=study.template,
+                             **study_stage.MOPD_VARIANTS["mopd_async"]())
+  assert (child.rl.max_policy_lag, child.rl.tis_cap) == (1, 2.0)
+  assert stages.validate(load_config("study")).mesh.cpu_devices == 1
+  monkeypatch.setattr(jax, "device_count", lambda: 1)
+  with pytest.raises(ConfigError, match="mopd_async samples on a device"):
+    study_stage.check(config)
 
 
 @pytest.mark.parametrize("variant", ["smoke_imbalanced", "imbalanced"])
