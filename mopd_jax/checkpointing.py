@@ -99,8 +99,8 @@ class Checkpointer:
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
 
     def read(step):
-      check_shapes(_state_metadata(self._manager, step), state_like,
-                   f"{self.workdir}: array", step, exact=True)
+      check_shapes(stored_shapes(_state_metadata(self._manager, step)),
+                   state_like, f"{self.workdir}: array", step, exact=True)
       items = {STATE: ocp.args.StandardRestore(target)}
       if os.path.isdir(os.path.join(self.directory, str(step), LOOP)):
         items[LOOP] = ocp.args.JsonRestore()
@@ -167,9 +167,8 @@ class ParamReader:
         raise CheckpointError(f"{run_dir}: no complete checkpoint in"
                               f" {self._root}")
       self.step = max(self._manager.all_steps())
-      self._stored = self._unreadable_is_named(
-          lambda: _state_metadata(self._manager, self.step)["params"])
-      self._leaves = len(named_leaves(self._stored))
+      self._shapes = self._unreadable_is_named(lambda: stored_shapes(
+          _state_metadata(self._manager, self.step)["params"]))
     except BaseException:
       self.close()
       raise
@@ -192,7 +191,7 @@ class ParamReader:
     leaves); a checkpoint of another shape is a ``CheckpointError`` naming
     the first mismatching parameter. When it names every parameter, they
     are verified against the recorded checksum."""
-    check_shapes(self._stored, params_like, f"{self.run_dir}: parameter",
+    check_shapes(self._shapes, params_like, f"{self.run_dir}: parameter",
                  self.step, exact=False)
 
     def restore():
@@ -201,7 +200,7 @@ class ParamReader:
       items = {STATE: ocp.args.PyTreeRestore(
           item=target, partial_restore=True,
           restore_args=ocp.checkpoint_utils.construct_restore_args(target))}
-      whole = self._leaves == len(named_leaves(params_like))
+      whole = len(self._shapes) == len(named_leaves(params_like))
       if whole and os.path.isdir(os.path.join(self._root, str(self.step),
                                               LOOP)):
         items[LOOP] = ocp.args.JsonRestore()
@@ -311,12 +310,17 @@ def _quiet_absl():
     logging.set_verbosity(level)
 
 
-def check_shapes(stored: Any, like: Any, where: str, step: int,
-                 exact: bool) -> None:
+def stored_shapes(stored: Any) -> dict[str, tuple[int, ...]]:
+  """Each array's shape in the checkpoint metadata ``stored``, by name."""
+  return {name: tuple(leaf.shape) for name, leaf in named_leaves(stored)}
+
+
+def check_shapes(have: dict[str, tuple[int, ...]], like: Any, where: str,
+                 step: int, exact: bool) -> None:
   """Raise a ``CheckpointError`` for the first array of ``like`` that the
-  checkpoint metadata ``stored`` lacks or holds in another shape (and, when
-  ``exact``, for the first stored array that ``like`` lacks)."""
-  have = {name: tuple(leaf.shape) for name, leaf in named_leaves(stored)}
+  checkpoint's ``have`` (``stored_shapes``) lacks or holds in another
+  shape (and, when ``exact``, for the first stored array that ``like``
+  lacks)."""
   want = {name: tuple(leaf.shape if hasattr(leaf, "shape")
                       else np.shape(leaf))
           for name, leaf in named_leaves(like)}
