@@ -188,10 +188,11 @@ def _text(results, winners, tied) -> str:
            " intervals: Student-t over seeds for a model; paired bootstrap"
            " over seeds and prompts for a difference)."]
   if best:
-    top = max(best, key=lambda f: cells[best[f]]["mean"]["mean"])
     lines.append("Training-domain mean (greedy): " + ", ".join(
         f"{f} ({best[f]}) {_pct(cells[best[f]]['mean'])}" for f in best)
                  + ".")
+  if len(best) > 1:  # a study of one paradigm (MOPD variants) ranks none
+    top = max(best, key=lambda f: cells[best[f]]["mean"]["mean"])
     lines.append(
         "On the mean, " + (f"{winners['mean']} is ahead of every other"
                            " paradigm (each difference's interval excludes"

@@ -105,6 +105,26 @@ def test_one_seed_has_no_intervals_and_names_no_false_winner():
   assert out["recommendation"]["winners"]["b"] is None
 
 
+def test_a_study_of_mopd_variants_alone_ranks_no_paradigm():
+  """With MOPD the only paradigm (a study of its variants), neither report
+  names a paradigm ahead of the others; each variant is set against
+  MOPD."""
+  def variants(o):
+    return {m: v for m, v in o.items() if m not in ("merge/ties", "mix_rl")}
+  outcomes = [variants(_outcomes(s)) for s in (0, 1)]
+  for o in outcomes:
+    o["mopd_async"] = o["expert/b"]
+  out = seeded.aggregate([0, 1], [_results(o) for o in outcomes], outcomes,
+                         [_coverage(o) for o in outcomes])
+  text = out["recommendation"]["text"]
+  assert "Training-domain mean (greedy): mopd (mopd)" in text
+  assert "ahead of" not in text and "tied" not in text
+  assert "mopd_async minus MOPD on the mean: -50.0" in text
+  one = report.recommendation(out["per_seed"]["0"])["text"]
+  assert "Highest training-domain mean (greedy): mopd" in one
+  assert "differ by" not in one and "best or tied" not in one
+
+
 def test_loss_shares_are_step_means_then_seed_intervals(tmp_path):
   """``study_report.loss_shares``: the mean over logged steps of each
   domain's token and loss shares (steps that log none are skipped; a run
