@@ -82,6 +82,15 @@ MOPD_VARIANTS = {
     **{f"mopd_{m}": functools.partial(_mechanism_alone, m)
        for m in _MECHANISMS},
 }
+
+
+def async_steps(steps) -> list[str]:
+  """The MOPD variants among ``steps`` that sample one step ahead on a
+  device of their own (``rl.max_policy_lag`` set)."""
+  return [s for s in steps
+          if MOPD_VARIANTS.get(s, dict)().get("rl.max_policy_lag")]
+
+
 # Co-evolving experts (configs/copd.py) and the two ways to consolidate
 # them: a merge (the study's copd_merge_method, swept as its merges are)
 # and MOPD (the plain recipe, the co-evolved experts as teachers).
@@ -196,7 +205,7 @@ def recipe(config, variant: str) -> None:
   if added:  # MOPD variants beside plain MOPD, before the evaluations
     at = config.steps.index("evaluate")
     config.steps = config.steps[:at] + added + config.steps[at:]
-  if "mopd_async" in added:  # its sampler's own device (CPU hosts only)
+  if async_steps(added):  # their sampler's own device (CPU hosts only)
     config.mesh.cpu_devices = max(config.mesh.cpu_devices, 2)
   if variant.endswith("imbalanced"):
     imbalanced(config, smoke=variant.startswith("smoke"))
@@ -696,8 +705,9 @@ def check(config) -> None:
     raise ConfigError(f"eval.coverage_prompts: {config.eval.coverage_prompts}"
                       f" must be <= eval.num_prompts"
                       f" ({config.eval.num_prompts})")
-  if "mopd_async" in config.steps and jax.device_count() < 2:
-    raise ConfigError("steps: mopd_async samples on a device of its own;"
+  lagged = async_steps(config.steps)
+  if lagged and jax.device_count() < 2:
+    raise ConfigError(f"steps: {lagged[0]} samples on a device of its own;"
                       " this host has one (on a CPU:"
                       " --config.mesh.cpu_devices=2)")
   if "mopd_from_merge" in config.steps and not config.merge_methods:
