@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Iterator, Mapping
 
 import jax
@@ -61,13 +62,33 @@ COMPUTED_AS = {"hidden_act": ("silu", "swish"),
                "attention_dropout": (0, 0.0)}
 
 
+_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _typed(fields, name: str, kind: type, path: str, default=None):
+  """``fields[name]`` (``default`` when absent or null), which must be of
+  ``kind`` as transformers' config classes declare it: an ``int`` (not a
+  bool or a float), a ``float`` (an int is one too) or a ``bool`` (not the
+  string ``"false"``)."""
+  value = fields.get(name)
+  if value is None:
+    if default is None:
+      raise CheckpointError(f"{path}: no {name} field")
+    return default
+  if isinstance(value, bool) != (kind is bool) or not isinstance(
+      value, (int, float) if kind is float else kind):
+    raise CheckpointError(f"{path}: {name} = {value!r}: expected"
+                          f" {_KINDS[kind]}")
+  return kind(value)
+
+
 def model_config(fields, path: str, param_dtype: str = "float32"
                  ) -> ModelConfig:
   """Our ``ModelConfig`` from a Hugging Face ``config.json`` (``path``
   names it in errors), its weights stored as ``param_dtype``. Only what
   the decoder implements is accepted: a field of ``COMPUTED_AS`` with
-  another value, rope scaling, a non-positive size or an impossible head
-  layout is a ``CheckpointError``."""
+  another value, rope scaling, a size of the wrong type (``_typed``) or
+  not positive, or an impossible head layout is a ``CheckpointError``."""
   if not isinstance(fields, dict):
     raise CheckpointError(f"{path}: expected a JSON object, got"
                           f" {type(fields).__name__}")
@@ -87,30 +108,34 @@ def model_config(fields, path: str, param_dtype: str = "float32"
   if not isinstance(rope_parameters, dict):
     raise CheckpointError(f"{path}: rope_parameters: expected an object,"
                           f" got {type(rope_parameters).__name__}")
+  scaling = fields.get("rope_scaling") or rope_parameters.get(
+      "rope_type", "default")
+  if scaling not in (None, "default") and not (
+      isinstance(scaling, dict) and scaling.get("rope_type") == "default"):
+    raise CheckpointError(f"{path}: rope scaling {scaling!r} is not"
+                          " supported")
+  heads = _typed(fields, "num_attention_heads", int, path)
+  hidden = _typed(fields, "hidden_size", int, path)
+  rope = (_typed(fields, "rope_theta", float, path, 0.0) or _typed(
+      rope_parameters, "rope_theta", float, path, 10_000.0))
   try:
-    heads = int(fields["num_attention_heads"])
-    hidden = int(fields["hidden_size"])
-    rope = fields.get("rope_theta") or rope_parameters.get("rope_theta",
-                                                           10_000.0)
-    scaling = fields.get("rope_scaling") or rope_parameters.get(
-        "rope_type", "default")
-    if scaling not in (None, "default") and not (
-        isinstance(scaling, dict) and scaling.get("rope_type") == "default"):
-      raise CheckpointError(f"{path}: rope scaling {scaling!r} is not"
-                            " supported")
     cfg = ModelConfig(
-        vocab_size=int(fields["vocab_size"]), embed_dim=hidden,
-        num_layers=int(fields["num_hidden_layers"]), num_heads=heads,
-        num_kv_heads=int(fields.get("num_key_value_heads") or heads),
-        head_dim=int(fields.get("head_dim") or hidden // max(heads, 1)),
-        mlp_dim=int(fields["intermediate_size"]), rope_theta=float(rope),
-        norm_eps=float(fields.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(fields.get("tie_word_embeddings", False)),
+        vocab_size=_typed(fields, "vocab_size", int, path),
+        embed_dim=hidden,
+        num_layers=_typed(fields, "num_hidden_layers", int, path),
+        num_heads=heads,
+        num_kv_heads=_typed(fields, "num_key_value_heads", int, path,
+                            heads),
+        head_dim=_typed(fields, "head_dim", int, path,
+                        hidden // max(heads, 1)),
+        mlp_dim=_typed(fields, "intermediate_size", int, path),
+        rope_theta=rope,
+        norm_eps=_typed(fields, "rms_norm_eps", float, path, 1e-6),
+        tie_embeddings=_typed(fields, "tie_word_embeddings", bool, path,
+                              False),
         param_dtype=param_dtype,
         **{k: v for k, v in FAMILIES[family].items()})
-  except KeyError as e:
-    raise CheckpointError(f"{path}: no {e.args[0]} field") from None
-  except (TypeError, ValueError, OverflowError) as e:
+  except (TypeError, ValueError, OverflowError, ZeroDivisionError) as e:
     raise CheckpointError(f"{path}: {reason(e)}") from None
   for name, value in (("vocab_size", cfg.vocab_size),
                       ("hidden_size", cfg.embed_dim),
@@ -166,7 +191,8 @@ class Tensors(Mapping):
     for name in files:
       path = os.path.join(hf_dir, name)
       if os.path.commonpath([root, os.path.realpath(path)]) != root:
-        raise CheckpointError(f"{index}: {name!r} lies outside {hf_dir}")
+        raise CheckpointError(f"{path}: lies outside {hf_dir}")
+      json_files.regular_file(path, CheckpointError)
       try:
         handle = stack.enter_context(safe_open(path, framework="flax"))
         keys = list(handle.keys())
@@ -179,7 +205,9 @@ class Tensors(Mapping):
   def __getitem__(self, name: str) -> np.ndarray:
     handle, path = self._where[name]
     try:
-      value = np.asarray(handle.get_tensor(name))
+      with warnings.catch_warnings():  # a float64 past float32: said below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        value = np.asarray(handle.get_tensor(name))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(f"{path}: tensor {name}: {reason(e)}") from None
     if not np.issubdtype(value.dtype, np.floating) and str(
@@ -200,11 +228,16 @@ class Tensors(Mapping):
 @contextlib.contextmanager
 def _output_dir(out: str):
   """A temporary directory beside ``out``, renamed to ``out`` when the
-  body succeeds and removed when it fails."""
+  body succeeds and removed, with the parents it had to create, when it
+  fails."""
   out = os.path.abspath(os.path.expanduser(out))
   if os.path.exists(out):
     raise UserError(f"--out: {out} exists; choose a new directory")
   parent = os.path.dirname(out)
+  created = parent
+  while not os.path.exists(os.path.dirname(created)):
+    created = os.path.dirname(created)
+  created = None if os.path.exists(created) else created
   try:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
@@ -214,8 +247,9 @@ def _output_dir(out: str):
   try:
     yield tmp
     os.replace(tmp, out)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+  except BaseException:
+    shutil.rmtree(created or tmp, ignore_errors=True)
+    raise
 
 
 def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> dict:
@@ -239,6 +273,10 @@ def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> dict:
                           f" {cfg.vocab_size} embeddings")
   with contextlib.ExitStack() as stack, _output_dir(out) as tmp:
     tensors = Tensors(hf_dir, stack)
+    if cfg.num_layers > len(tensors):  # before names() lists them all
+      raise CheckpointError(f"{config_path}: num_hidden_layers ="
+                            f" {cfg.num_layers}, but the checkpoint holds"
+                            f" {len(tensors)} tensors")
     expected = set(hf.names(cfg))
     extra = sorted(set(tensors) - expected - {"lm_head.weight"}
                    if cfg.tie_embeddings else set(tensors) - expected)
@@ -289,8 +327,12 @@ def as_run(path: str):
     yield path
     return
   with tempfile.TemporaryDirectory(prefix="mopd_jax-import-") as tmp:
-    import_hf(os.path.expanduser(path), os.path.join(tmp, "run"))
-    yield os.path.join(tmp, "run")
+    run_dir = os.path.join(tmp, "run")
+    import_hf(os.path.expanduser(path), run_dir)
+    try:
+      yield run_dir
+    except UserError as e:  # name the user's files, not their copies
+      raise type(e)(str(e).replace(run_dir, path)) from None
 
 
 def export_run(run_dir: str, out: str, dtype: str = "") -> None:
@@ -301,6 +343,9 @@ def export_run(run_dir: str, out: str, dtype: str = "") -> None:
   if dtype not in ("", "float32", "bfloat16"):
     raise UserError(f"--dtype: {dtype!r} is not float32 or bfloat16")
   cfg, params = runs.final_model(run_dir)
+  tokenizer = tokenizer_lib.of_run(run_dir)
+  runs.check_same_tokens(run_dir, runs.load_run_config(run_dir), tokenizer,
+                         "--run")
   cfg = dataclasses.replace(cfg, param_dtype=dtype or cfg.param_dtype)
   with _output_dir(out) as tmp:
     tensors = {k: jnp.asarray(v, cfg.param_dtype)
@@ -309,7 +354,7 @@ def export_run(run_dir: str, out: str, dtype: str = "") -> None:
               metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
       json.dump(hf.hf_config(cfg), f, indent=2)
-    tokenizer_lib.export_files(tokenizer_lib.of_run(run_dir), tmp)
+    tokenizer_lib.export_files(tokenizer, tmp)
 
 
 def define_flags() -> None:

@@ -188,6 +188,15 @@ def test_cli_round_trip_and_one_line_errors(tmp_path):
     (dict(rope_parameters=[1, 2], rope_theta=None), ("rope_parameters",)),
     ([], ("expected a JSON object",)),
     (None, ("expected a JSON object",)),
+    # a value of the wrong type is refused, not coerced (bool("false"))
+    (dict(tie_word_embeddings="false"), ("tie_word_embeddings", "true or")),
+    (dict(num_hidden_layers=2.9), ("num_hidden_layers = 2.9", "integer")),
+    (dict(hidden_size="32"), ("hidden_size = '32'", "integer")),
+    (dict(rms_norm_eps="abc"), ("rms_norm_eps", "a number")),
+    # sizes no memory holds: refused from the tensors' headers, at once
+    (dict(vocab_size=10**12), ("embed_tokens", "1000000000000")),
+    (dict(num_hidden_layers=10**9), ("num_hidden_layers = 1000000000",
+                                     "holds")),
 ])
 def test_a_bad_checkpoint_is_one_error_and_leaves_nothing(tmp_path, change,
                                                           words):
@@ -225,12 +234,20 @@ def _corrupt(path, how):
               open(os.path.join(path, convert.INDEX_FILE), "w"))
   elif how == "index_list":
     json.dump([], open(os.path.join(path, convert.INDEX_FILE), "w"))
-  else:  # a tensor of another dtype, or holding NaN
+  elif how in ("fifo", "device"):  # reading either would never end
+    os.remove(model)
+    if how == "fifo":
+      os.mkfifo(model)
+    else:
+      os.symlink("/dev/zero", model)
+  else:  # a tensor of another dtype, holding NaN, or past float32
     from safetensors.numpy import load_file, save_file
     tensors = load_file(model)
     name = "model.norm.weight"
-    tensors[name] = (tensors[name].astype(np.int32) if how == "int"
-                     else tensors[name] * np.nan)
+    tensors[name] = {"int": lambda x: x.astype(np.int32),
+                     "nan": lambda x: x * np.nan,
+                     "f64": lambda x: x.astype(np.float64) * 1e300,
+                     }[how](tensors[name])
     save_file(tensors, model)
 
 
@@ -238,12 +255,56 @@ def _corrupt(path, how):
     ("truncated", "unreadable"), ("empty", "unreadable"),
     ("huge_header", "unreadable"), ("bad_header", "unreadable"),
     ("outside", "lies outside"), ("index_list", "weight_map"),
-    ("int", "dtype int32"), ("nan", "NaN"),
+    ("int", "dtype int32"), ("nan", "NaN"), ("f64", "NaN or inf"),
+    ("fifo", "model.safetensors: not a regular file"),
+    ("device", "model.safetensors: lies outside"),
 ])
-def test_a_damaged_or_hostile_checkpoint_is_refused(tmp_path, how, words):
+def test_a_damaged_or_hostile_checkpoint_is_refused(tmp_path, how, words,
+                                                    recwarn):
   _, path = _saved(tmp_path, "llama")
   _corrupt(path, how)
-  out = tmp_path / "out"
+  out = tmp_path / "new" / "out"
   with pytest.raises(CheckpointError, match=words):
     convert.import_hf(path, str(out))
-  assert not out.exists()
+  # nothing at the output, not even the parent it had to create
+  assert not (tmp_path / "new").exists()
+  assert not [w for w in recwarn if "overflow" in str(w.message)]
+
+
+def test_weights_past_the_runs_dtype_are_refused(tmp_path):
+  """A float32 weight no bfloat16 holds: refused at import, not written
+  as inf into a run that fails later."""
+  from safetensors.numpy import load_file, save_file
+  _, path = _saved(tmp_path, "llama")
+  model = os.path.join(path, "model.safetensors")
+  tensors = load_file(model)
+  tensors["model.norm.weight"][0] = 3.4e38
+  save_file(tensors, model)
+  with pytest.raises(CheckpointError,
+                     match="model.norm.weight overflows bfloat16"):
+    convert.import_hf(path, str(tmp_path / "out"), "bfloat16")
+  convert.import_hf(path, str(tmp_path / "out"))  # float32 holds it
+
+
+def test_export_refuses_a_run_whose_tokenizer_is_gone(tmp_path):
+  """Without its tokenizer.json a run would fall back to the built-in
+  character tokenizer: exported beside the model, another vocabulary."""
+  _, path = _saved(tmp_path, "qwen2")
+  run_dir = str(tmp_path / "run")
+  convert.import_hf(path, run_dir)
+  os.remove(os.path.join(run_dir, "tokenizer.json"))
+  with pytest.raises(CheckpointError, match="tokenizer"):
+    convert.export_run(run_dir, str(tmp_path / "out"))
+  assert not (tmp_path / "out").exists()
+
+
+def test_errors_inside_an_imported_checkpoint_name_the_users_files(
+    tmp_path):
+  """A Hugging Face directory read as a run is imported to a temporary
+  copy; an error about a copied file names the user's."""
+  from mopd_jax.errors import DataError
+  _, path = _saved(tmp_path, "qwen2")
+  with pytest.raises(DataError) as e:
+    with convert.as_run(path) as run_dir:
+      raise DataError(f"{run_dir}/chat_template.jinja: the template failed")
+  assert str(e.value) == f"{path}/chat_template.jinja: the template failed"

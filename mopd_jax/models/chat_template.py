@@ -35,6 +35,8 @@ import jinja2.ext
 import jinja2.sandbox
 import jinja2.utils
 
+from mopd_jax import json_files
+from mopd_jax.data.records import check_text
 from mopd_jax.errors import DataError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -85,6 +87,7 @@ def find(directory: str, tokenizer_config: dict) -> tuple[str, str] | None:
 
 
 def _read(path: str) -> str:
+  json_files.regular_file(path, DataError)
   try:
     with open(path, encoding="utf-8") as f:
       return f.read(MAX_CHARS + 1)  # Template refuses a longer one
@@ -262,6 +265,7 @@ class Template:
     if len(text) > MAX_CHARS:
       raise DataError(f"{self.where}: the chat template wrote over"
                       f" {MAX_CHARS} characters")
+    check_text(text, f"{self.where}: the chat template's output")
     return text
 
 

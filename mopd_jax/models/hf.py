@@ -65,6 +65,19 @@ def _to_theirs(x: np.ndarray, layout: str) -> np.ndarray:
   return x
 
 
+def _their_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+  """``_to_theirs(x, layout).shape`` for ``x`` of ``shape``, from the
+  shape alone (a config may claim sizes no memory holds)."""
+  size = int(np.prod(shape, dtype=object))
+  if layout == "in_first":
+    return (size // shape[0], shape[0])
+  if layout == "in_last":
+    return (shape[-1], size // shape[-1])
+  if layout == "flat":
+    return (size,)
+  return tuple(shape)
+
+
 def _to_ours(x: np.ndarray, layout: str, shape: tuple[int, ...]
              ) -> np.ndarray:
   if layout in ("in_first", "in_last"):
@@ -105,7 +118,7 @@ def from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig,
   into the leaf's sharding) is applied to each leaf as soon as it is
   built, so the host holds one leaf at a time, not the model. Raises
   ``KeyError`` naming a missing tensor and ``ValueError`` naming one of the
-  wrong shape."""
+  wrong shape or one whose values overflow the leaf's dtype."""
   shapes = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0)))
   params: dict = {}
   for path, shape in named_leaves(shapes):
@@ -120,7 +133,12 @@ def from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig,
     *parents, leaf = path.split("/")
     for p in parents:
       node = node.setdefault(p, {})
-    value = value.astype(shape.dtype)
+    if value.dtype != shape.dtype:
+      with np.errstate(over="ignore"):  # said below, in one line
+        value = value.astype(shape.dtype)
+      if not np.isfinite(value).all():
+        raise ValueError(f"tensor {t.name.replace('{i}', '*')} overflows"
+                         f" {shape.dtype}")
     node[leaf] = place(path, value) if place else value
   return params
 
@@ -129,7 +147,7 @@ def _take(tensors, name, layout, shape):
   if name not in tensors:
     raise KeyError(f"tensor {name} is missing")
   theirs = np.asarray(tensors[name])
-  expected = _to_theirs(np.empty(shape, np.int8), layout).shape
+  expected = _their_shape(shape, layout)
   if theirs.shape != expected:
     raise ValueError(f"tensor {name} has shape {list(theirs.shape)},"
                      f" expected {list(expected)}")

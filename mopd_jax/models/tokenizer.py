@@ -22,6 +22,7 @@ import string
 from typing import Protocol, Sequence
 
 from mopd_jax import json_files
+from mopd_jax.data.records import check_text
 from mopd_jax.errors import DataError
 from mopd_jax.models import chat_template
 
@@ -156,23 +157,25 @@ def _token(config: dict, name: str, where: str) -> str | None:
   if value is not None and not isinstance(value, str):
     raise DataError(f"{where}: {name}: expected a token string, got"
                     f" {value!r}")
+  check_text(value, f"{where}: {name}")
   return value
 
 
-def _stop_ids(directory: str) -> list:
+def _stop_ids(directory: str, vocab_size: int) -> list:
   """``eos_token_id`` of ``generation_config.json`` (else of the model's
-  ``config.json``), an id or a list of ids, as transformers' ``generate``
-  stops on it."""
+  ``config.json``), an id or a list of ids below ``vocab_size``, as
+  transformers' ``generate`` stops on it."""
   for name in ("generation_config.json", "config.json"):
     path = os.path.join(directory, name)
     config = _read_json_object(path, {})
     value = config.get("eos_token_id")
     if value is not None:  # transformers' null: not set
       ids = value if isinstance(value, list) else [value]
-      if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                 for i in ids):
-        raise DataError(f"{path}: eos_token_id: expected a token id or a"
-                        f" list of them, got {value!r}")
+      if not all(isinstance(i, int) and not isinstance(i, bool)
+                 and 0 <= i < vocab_size for i in ids):
+        raise DataError(f"{path}: eos_token_id: expected a token id below"
+                        f" the tokenizer's {vocab_size}, or a list of them,"
+                        f" got {value!r}")
       return ids
   return []
 
@@ -193,6 +196,7 @@ class HFTokenizer:
     from tokenizers import Tokenizer as Backend
     self.directory = directory
     path = os.path.join(directory, "tokenizer.json")
+    json_files.regular_file(path, DataError)
     try:
       self._tok = Backend.from_file(path)
       with open(path, "rb") as f:
@@ -202,7 +206,10 @@ class HFTokenizer:
                       f" ({type(e).__name__}: {e})") from None
     config_path = os.path.join(directory, "tokenizer_config.json")
     config = _read_json_object(config_path, {})
-    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    # the ids' range, which a model's embedding must cover (an id may lie
+    # past the count of tokens)
+    self.vocab_size = 1 + max(
+        self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
     self._specials = {}
     ids = {}
     for name in SPECIAL_TOKENS:
@@ -221,12 +228,13 @@ class HFTokenizer:
     self.pad_id = ids["eos_token"] if ids["pad_token"] is None else ids[
         "pad_token"]
     self.stop_ids = tuple(dict.fromkeys([self.eos_id]
-                                        + _stop_ids(directory)))
+                                        + _stop_ids(directory,
+                                                    self.vocab_size)))
     found = chat_template.find(directory, config)
     self.template = None if found is None else chat_template.Template(*found)
-    if self.template is not None:
-      self.template.render([{"role": "user", "content": "1 + 1 = ?"}],
-                           **self._specials)  # once, as a check
+    if self.template is not None and not self.prompt_ids("1 + 1 = ?"):
+      raise DataError(f"{self.template.where}: the chat template renders a"
+                      " prompt as no tokens")  # once, as a check
     elif directory not in _WARNED_NO_TEMPLATE:
       _WARNED_NO_TEMPLATE.add(directory)
       # The log (stdout): stderr is for the one error line.

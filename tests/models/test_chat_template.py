@@ -87,6 +87,7 @@ def test_renders_as_apply_chat_template(tmp_path, template):
     ("{{ messages.__class__.__mro__ }}", "SecurityError|failed"),
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "failed"),
     ("{{ undefined_name.attr }}", "failed"),
+    ("{{ '\\ud800' }}", "lone surrogate"),  # text no tokenizer encodes
 ])
 def test_a_hostile_or_broken_template_is_one_line(source, words,
                                                   monkeypatch):

@@ -39,3 +39,51 @@ def test_character_tokenizer_as_hugging_face_files_keeps_every_id(tmp_path):
   assert hf.decode(char.encode(text) + [char.eos_id, 5]) == text
   assert (hf.vocab_size, hf.pad_id, hf.bos_id, hf.eos_id) == (
       char.vocab_size, char.pad_id, char.bos_id, char.eos_id)
+
+
+def _damaged(directory, how):
+  """A Hugging Face tokenizer directory damaged one way."""
+  import json
+  import os
+  CharTokenizer().save_hf(str(directory))
+  config = directory / "tokenizer_config.json"
+  if how == "surrogate_eos":  # JSON's escape of a lone surrogate
+    config.write_text(config.read_text().replace('"<eos>"', '"\\ud800"'))
+  elif how == "empty_template":
+    config.write_text(json.dumps(dict(json.loads(config.read_text()),
+                                      chat_template="")))
+  elif how == "eos_id_past_vocab":
+    (directory / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 100000]}))
+  elif how == "fifo":
+    os.remove(directory / "tokenizer.json")
+    os.mkfifo(directory / "tokenizer.json")
+  else:  # an id past the count of tokens: the range is what a model needs
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["z"] = 500
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+@pytest.mark.parametrize("how,words", [
+    ("surrogate_eos", "tokenizer_config.json: eos_token: a string holds a"
+     " lone surrogate"),
+    ("empty_template", "renders a prompt as no tokens"),
+    ("eos_id_past_vocab", "generation_config.json: eos_token_id: expected a"
+     " token id below the tokenizer's 58"),
+    ("fifo", "tokenizer.json: not a regular file"),
+])
+def test_a_damaged_tokenizer_is_one_line(tmp_path, how, words):
+  pytest.importorskip("tokenizers")
+  from mopd_jax.models.tokenizer import HFTokenizer
+  _damaged(tmp_path, how)
+  with pytest.raises(DataError, match=words):
+    HFTokenizer(str(tmp_path))
+
+
+def test_the_vocabulary_is_the_range_of_its_ids(tmp_path):
+  pytest.importorskip("tokenizers")
+  from mopd_jax.models.tokenizer import HFTokenizer
+  _damaged(tmp_path, "sparse_id")
+  tokenizer = HFTokenizer(str(tmp_path))
+  assert tokenizer.vocab_size == 501
+  assert not tokenizer.fits(CharTokenizer().vocab_size)
