@@ -232,9 +232,10 @@ class HFTokenizer:
                                                     self.vocab_size)))
     found = chat_template.find(directory, config)
     self.template = None if found is None else chat_template.Template(*found)
-    if self.template is not None and not self.prompt_ids("1 + 1 = ?"):
-      raise DataError(f"{self.template.where}: the chat template renders a"
-                      " prompt as no tokens")  # once, as a check
+    if self.template is not None:
+      if not self.prompt_ids("1 + 1 = ?"):  # once, as a check
+        raise DataError(f"{self.template.where}: the chat template renders"
+                        " a prompt as no tokens")
     elif directory not in _WARNED_NO_TEMPLATE:
       _WARNED_NO_TEMPLATE.add(directory)
       # The log (stdout): stderr is for the one error line.

@@ -87,3 +87,20 @@ def test_the_vocabulary_is_the_range_of_its_ids(tmp_path):
   tokenizer = HFTokenizer(str(tmp_path))
   assert tokenizer.vocab_size == 501
   assert not tokenizer.fits(CharTokenizer().vocab_size)
+
+
+def test_no_chat_template_is_said_once_and_only_then(tmp_path, capsys):
+  pytest.importorskip("tokenizers")
+  import json
+  from mopd_jax.models.tokenizer import HFTokenizer
+  plain, chat = tmp_path / "plain", tmp_path / "chat"
+  for directory in (plain, chat):
+    CharTokenizer().save_hf(str(directory))
+  config = json.loads((chat / "tokenizer_config.json").read_text())
+  (chat / "tokenizer_config.json").write_text(json.dumps(dict(
+      config, chat_template="{{ bos_token }}q{{ messages[0].content }}a")))
+  HFTokenizer(str(chat))
+  assert "chat template" not in capsys.readouterr().out
+  HFTokenizer(str(plain))
+  HFTokenizer(str(plain))
+  assert capsys.readouterr().out.count("has no chat template") == 1
