@@ -3,7 +3,8 @@ same weights, in one process (e.g. SmolLM2-135M-Instruct).
 
     python experiments/bench_real_model.py --model=HF_DIR \
         [--batches=16,64] [--new=128] [--repeats=3] [--cpu_devices=2] \
-        [--eval_file=sums.jsonl] [--train_rows=8] [--json=out.json]
+        [--eval_file=sums.jsonl] [--train_rows=8] [--json=out.json] \
+        [--attention_chunk=128]
 
 Prints, each against its baseline in this one run:
 * **sampling**: ours (``sampler.sample``) against transformers' ``generate``
@@ -15,6 +16,9 @@ Prints, each against its baseline in this one run:
 * **a train step**: our jitted policy-gradient step (forward, backward,
   AdamW) against a plain torch forward/backward/AdamW step of the same
   model on the same ``--train_rows`` x (prompt + ``--new``) tokens;
+* with ``--attention_chunk=N``, both of those also with our blocked
+  attention (``model.attention_chunk``: keys in blocks of ``N``, flash
+  attention's backward pass), in the same interleaved rounds;
 * **evaluate end to end** (with ``--eval_file``, a ``math`` JSONL; its
   first ``--eval_prompts`` test-split records): the wall time of
   ``python -m mopd_jax.evaluate --run=HF_DIR`` (imports, conversion,
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -242,6 +247,8 @@ def main(argv=None):
   parser.add_argument("--eval_new", type=int, default=160)
   parser.add_argument("--eval_prompts", type=int, default=24,
                       help="test-split records of --eval_file evaluated")
+  parser.add_argument("--attention_chunk", type=int, default=0,
+                      help="also time ours with blocked attention")
   parser.add_argument("--json", default="")
   parser.add_argument("--transformers_eval_loop", action="store_true",
                       help=argparse.SUPPRESS)
@@ -267,23 +274,31 @@ def main(argv=None):
     print(f"backend={jax.default_backend()} devices={jax.device_count()}"
           f" params={cfg.num_params():,} layers={cfg.num_layers}"
           f" vocab={cfg.vocab_size}")
+    # ours as converted (dense attention), and blocked if asked for
+    ours_cfgs = {"": cfg}
+    if args.attention_chunk:
+      ours_cfgs[f"_chunk{args.attention_chunk}"] = dataclasses.replace(
+          cfg, attention_chunk=args.attention_chunk)
     for batch in map(int, args.batches.split(",")):
       ids, mask = left_padded(chat_prompts(tok, batch, low, high),
                               tok.pad_id)
-      first, ours, prefill = our_sampler(cfg, params, ids, mask, args.new)
-      ours_s, theirs_s = interleaved(
-          (ours, their_generate(model, ids, mask, args.new)), args.repeats)
-      prefill_s = timed(prefill, args.repeats)
+      samplers = {k: our_sampler(c, params, ids, mask, args.new)
+                  for k, c in ours_cfgs.items()}
+      *ours_s, theirs_s = interleaved(
+          [run for _, run, _ in samplers.values()]
+          + [their_generate(model, ids, mask, args.new)], args.repeats)
       tokens = batch * args.new
-      figures[f"sample_b{batch}"] = row = dict(
-          prompt_tokens=int(mask.sum()), width=int(ids.shape[1]),
-          ours_tokens_s=tokens / ours_s, theirs_tokens_s=tokens / theirs_s,
-          ratio=theirs_s / ours_s, first_call_s=first, ours_s=ours_s,
-          prefill_s=prefill_s, decode_s=ours_s - prefill_s)
-      print(f"batch {batch:3d}: sampler {row['ours_tokens_s']:7.0f} tokens/s,"
-            f" generate {row['theirs_tokens_s']:7.0f}: {row['ratio']:.2f}x"
-            f" (first call {first:.1f} s with compile; prefill"
-            f" {prefill_s:.2f} s + decode {ours_s - prefill_s:.2f} s)")
+      for (key, (first, _, prefill)), mine in zip(samplers.items(), ours_s):
+        prefill_s = timed(prefill, args.repeats)
+        figures[f"sample_b{batch}{key}"] = row = dict(
+            prompt_tokens=int(mask.sum()), width=int(ids.shape[1]),
+            ours_tokens_s=tokens / mine, theirs_tokens_s=tokens / theirs_s,
+            ratio=theirs_s / mine, first_call_s=first, ours_s=mine,
+            prefill_s=prefill_s, decode_s=mine - prefill_s)
+        print(f"batch {batch:3d}{key}: sampler {row['ours_tokens_s']:7.0f}"
+              f" tokens/s, generate {row['theirs_tokens_s']:7.0f}:"
+              f" {row['ratio']:.2f}x (first call {first:.1f} s with compile;"
+              f" prefill {prefill_s:.2f} s + decode {mine - prefill_s:.2f} s)")
     if args.train_rows:  # 0: no train-step comparison
       prompts = left_padded(chat_prompts(tok, args.train_rows, low, high),
                             tok.pad_id)[0]
@@ -291,16 +306,19 @@ def main(argv=None):
       completions = np.random.default_rng(3).integers(
           3, tok.vocab_size, (args.train_rows, args.new), dtype=np.int32)
       tokens = np.concatenate([prompts, completions], axis=1)
-      ours_s, theirs_s = interleaved(
-          (our_train_step(cfg, params, tokens, prompt_len),
-           their_train_step(model.train(), tokens, prompt_len)), args.repeats)
+      *ours_s, theirs_s = interleaved(
+          [our_train_step(c, params, tokens, prompt_len)
+           for c in ours_cfgs.values()]
+          + [their_train_step(model.train(), tokens, prompt_len)],
+          args.repeats)
       n = tokens.size
-      figures["train_step"] = row = dict(
-          tokens=n, ours_tokens_s=n / ours_s, theirs_tokens_s=n / theirs_s,
-          ratio=theirs_s / ours_s)
-      print(f"train step ({args.train_rows} x {tokens.shape[1]}): ours"
-            f" {row['ours_tokens_s']:.0f} tokens/s, torch"
-            f" {row['theirs_tokens_s']:.0f}: {row['ratio']:.2f}x")
+      for key, mine in zip(ours_cfgs, ours_s):
+        figures[f"train_step{key}"] = row = dict(
+            tokens=n, ours_tokens_s=n / mine, theirs_tokens_s=n / theirs_s,
+            ratio=theirs_s / mine)
+        print(f"train step{key} ({args.train_rows} x {tokens.shape[1]}):"
+              f" ours {row['ours_tokens_s']:.0f} tokens/s, torch"
+              f" {row['theirs_tokens_s']:.0f}: {row['ratio']:.2f}x")
   if args.eval_file:
     out_dir = os.path.dirname(os.path.abspath(args.json or args.eval_file))
     ours_s, theirs_s, n = bench_evaluate(args.model, args.eval_file,
