@@ -234,10 +234,9 @@ def _output_dir(out: str):
   if os.path.exists(out):
     raise UserError(f"--out: {out} exists; choose a new directory")
   parent = os.path.dirname(out)
-  created = parent
-  while not os.path.exists(os.path.dirname(created)):
-    created = os.path.dirname(created)
-  created = None if os.path.exists(created) else created
+  created, up = None, parent  # the topmost directory makedirs creates
+  while not os.path.exists(up):
+    created, up = up, os.path.dirname(up)
   try:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
