@@ -235,7 +235,8 @@ def bench_evaluate(model_dir: str, eval_file: str, new: int, out_dir: str,
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", required=True)
-  parser.add_argument("--batches", default="16,64")
+  parser.add_argument("--batches", default="16,64",
+                      help="sampling batch sizes (empty: no sampling)")
   parser.add_argument("--new", type=int, default=128)
   parser.add_argument("--prompt_tokens", default="64,128",
                       help="the chat prompts' shortest and longest")
@@ -279,7 +280,7 @@ def main(argv=None):
     if args.attention_chunk:
       ours_cfgs[f"_chunk{args.attention_chunk}"] = dataclasses.replace(
           cfg, attention_chunk=args.attention_chunk)
-    for batch in map(int, args.batches.split(",")):
+    for batch in [int(b) for b in args.batches.split(",") if b]:
       ids, mask = left_padded(chat_prompts(tok, batch, low, high),
                               tok.pad_id)
       samplers = {k: our_sampler(c, params, ids, mask, args.new)
