@@ -15,7 +15,9 @@ directory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
 import shutil
 import sys
@@ -159,6 +161,33 @@ def load_split(domain: str,
     raise DataError(f"need num_train, num_test >= 1 and seed >= 0, got"
                     f" num_train={num_train}, num_test={num_test}, seed={seed}")
   config = _config_for(domain, num_train, num_test, seed)
+  with _building(config, domain, data_dir):
+    return _open_or_rebuild(config, domain, split, data_dir)
+
+
+@contextlib.contextmanager
+def _building(config: DomainConfig | str, domain: str, data_dir: str):
+  """An OS lock on ``config``'s dataset, held while it is opened or built:
+  processes sharing ``data_dir`` (a study's seeds) wait for one another's
+  build instead of taking its half-written files for a damaged dataset.
+  The OS releases it if the holder dies."""
+  lock = _cache_dir(config, data_dir) + ".lock"
+  try:
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise DataError(f"data.data_dir: cannot build the {domain!r} dataset"
+                    f" in {data_dir} ({reason(e)})") from None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)
+
+
+def _open_or_rebuild(config, domain: str, split: str, data_dir: str
+                     ) -> ExampleSource:
+  """``_open``, and a dataset that cannot be read rebuilt once."""
   try:
     return _open(config, split, data_dir)
   except DataError:

@@ -135,3 +135,19 @@ def test_the_default_sizes_build_in_a_fresh_data_dir(tmp_path, capsys):
   again = tfds_builder.load_split("reverse", "test", str(tmp_path))
   assert list(again) == list(source)
   assert "rebuilding it" in capsys.readouterr().err
+
+
+def test_processes_sharing_a_data_dir_wait_for_one_build(tmp_path):
+  """A study's seeds run as processes over one data_dir: each waits for
+  the build another started, none takes its half-written files for a
+  damaged dataset (it had rebuilt, or failed, under the other's feet)."""
+  code = ("import sys; from mopd_jax.data import tfds_builder;"
+          "print(len(tfds_builder.load_split('sort', 'test', sys.argv[1],"
+          " num_train=256, num_test=16)))")
+  procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for _ in range(3)]
+  for p in procs:
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and out.strip().endswith("16"), err[-2000:]
+    assert "rebuilding" not in err
