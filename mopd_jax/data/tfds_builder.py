@@ -170,12 +170,16 @@ def _building(config: DomainConfig | str, domain: str, data_dir: str):
   """An OS lock on ``config``'s dataset, held while it is opened or built:
   processes sharing ``data_dir`` (a study's seeds) wait for one another's
   build instead of taking its half-written files for a damaged dataset.
-  The OS releases it if the holder dies."""
+  The OS releases it if the holder dies. A read-only ``data_dir`` holding
+  the built dataset needs no lock: nothing can be built there."""
   lock = _cache_dir(config, data_dir) + ".lock"
   try:
     os.makedirs(os.path.dirname(lock), exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
   except OSError as e:
+    if os.path.isdir(_cache_dir(config, data_dir)):
+      yield
+      return
     raise DataError(f"data.data_dir: cannot build the {domain!r} dataset"
                     f" in {data_dir} ({reason(e)})") from None
   try:

@@ -151,3 +151,18 @@ def test_processes_sharing_a_data_dir_wait_for_one_build(tmp_path):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0 and out.strip().endswith("16"), err[-2000:]
     assert "rebuilding" not in err
+
+
+def test_a_built_dataset_reads_from_a_read_only_data_dir(tmp_path):
+  built = tfds_builder.load_split("add", "test", str(tmp_path), **SIZES)
+  folder = tmp_path / tfds_builder.MopdDomains.name
+  for lock in folder.glob("*.lock"):  # as a copied cache would come
+    lock.unlink()
+  if subprocess.run(["chattr", "+i", str(folder)],
+                    capture_output=True).returncode:
+    pytest.skip("chattr +i is not available here")
+  try:
+    again = tfds_builder.load_split("add", "test", str(tmp_path), **SIZES)
+  finally:
+    subprocess.run(["chattr", "-i", str(folder)], check=True)
+  assert len(again) == len(built)
