@@ -62,24 +62,22 @@ COMPUTED_AS = {"hidden_act": ("silu", "swish"),
                "attention_dropout": (0, 0.0)}
 
 
-_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false"}
 
 
-def _typed(fields, name: str, kind: type, path: str, default=None):
+def _typed(fields, name: str, kind: str, path: str, default=None):
   """``fields[name]`` (``default`` when absent or null), which must be of
-  ``kind`` as transformers' config classes declare it: an ``int`` (not a
-  bool or a float), a ``float`` (an int is one too) or a ``bool`` (not the
-  string ``"false"``)."""
+  ``kind`` as transformers' config classes declare it (``runs.is_a``: 2.9
+  is no ``int``, ``"false"`` no ``bool``)."""
   value = fields.get(name)
   if value is None:
     if default is None:
       raise CheckpointError(f"{path}: no {name} field")
     return default
-  if isinstance(value, bool) != (kind is bool) or not isinstance(
-      value, (int, float) if kind is float else kind):
+  if not runs.is_a(value, kind):
     raise CheckpointError(f"{path}: {name} = {value!r}: expected"
                           f" {_KINDS[kind]}")
-  return kind(value)
+  return float(value) if kind == "float" else value
 
 
 def model_config(fields, path: str, param_dtype: str = "float32"
@@ -114,24 +112,24 @@ def model_config(fields, path: str, param_dtype: str = "float32"
       isinstance(scaling, dict) and scaling.get("rope_type") == "default"):
     raise CheckpointError(f"{path}: rope scaling {scaling!r} is not"
                           " supported")
-  heads = _typed(fields, "num_attention_heads", int, path)
-  hidden = _typed(fields, "hidden_size", int, path)
-  rope = (_typed(fields, "rope_theta", float, path, 0.0) or _typed(
-      rope_parameters, "rope_theta", float, path, 10_000.0))
+  heads = _typed(fields, "num_attention_heads", "int", path)
+  hidden = _typed(fields, "hidden_size", "int", path)
+  rope = (_typed(fields, "rope_theta", "float", path, 0.0) or _typed(
+      rope_parameters, "rope_theta", "float", path, 10_000.0))
   try:
     cfg = ModelConfig(
-        vocab_size=_typed(fields, "vocab_size", int, path),
+        vocab_size=_typed(fields, "vocab_size", "int", path),
         embed_dim=hidden,
-        num_layers=_typed(fields, "num_hidden_layers", int, path),
+        num_layers=_typed(fields, "num_hidden_layers", "int", path),
         num_heads=heads,
-        num_kv_heads=_typed(fields, "num_key_value_heads", int, path,
+        num_kv_heads=_typed(fields, "num_key_value_heads", "int", path,
                             heads),
-        head_dim=_typed(fields, "head_dim", int, path,
+        head_dim=_typed(fields, "head_dim", "int", path,
                         hidden // max(heads, 1)),
-        mlp_dim=_typed(fields, "intermediate_size", int, path),
+        mlp_dim=_typed(fields, "intermediate_size", "int", path),
         rope_theta=rope,
-        norm_eps=_typed(fields, "rms_norm_eps", float, path, 1e-6),
-        tie_embeddings=_typed(fields, "tie_word_embeddings", bool, path,
+        norm_eps=_typed(fields, "rms_norm_eps", "float", path, 1e-6),
+        tie_embeddings=_typed(fields, "tie_word_embeddings", "bool", path,
                               False),
         param_dtype=param_dtype,
         **{k: v for k, v in FAMILIES[family].items()})

@@ -63,7 +63,7 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
   if unknown:
     raise CheckpointError(f"{path}: model.{unknown[0]}: unknown field")
   for field in dataclasses.fields(ModelConfig):
-    if field.name in saved["model"] and not _is_a(saved["model"][field.name],
+    if field.name in saved["model"] and not is_a(saved["model"][field.name],
                                                    field.type):
       raise CheckpointError(
           f"{path}: model.{field.name}: expected {field.type}, got"
@@ -71,9 +71,10 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(saved)
 
 
-def _is_a(value, kind: str) -> bool:
-  """Whether a JSON ``value`` fits a ModelConfig field annotated ``kind``
-  (an int is a float; a bool is no number)."""
+def is_a(value, kind: str) -> bool:
+  """Whether a JSON ``value`` fits a field annotated ``kind`` (``int``,
+  ``float``, ``bool``, ``str``; an int is a float, a bool is no number):
+  the run configs' model sections and Hugging Face ``config.json``."""
   if isinstance(value, bool):
     return kind == "bool"
   return {"int": isinstance(value, int),
