@@ -77,6 +77,7 @@ MODEL_CHECKS: Checks = (
     ("model.attention_chunk", non_negative, ">= 0 (0: dense attention)"),
     ("model.attention_impl", lambda v: v in ATTENTION_IMPLS,
      " or ".join(ATTENTION_IMPLS)),
+    ("model.max_positions", non_negative, ">= 0 (0: no stated bound)"),
 )
 
 

@@ -132,6 +132,8 @@ def model_config(fields, path: str, param_dtype: str = "float32"
         tie_embeddings=_typed(fields, "tie_word_embeddings", "bool", path,
                               False),
         param_dtype=param_dtype,
+        max_positions=_typed(fields, "max_position_embeddings", "int", path,
+                             0),
         **{k: v for k, v in FAMILIES[family].items()})
   except (TypeError, ValueError, OverflowError, ZeroDivisionError) as e:
     raise CheckpointError(f"{path}: {reason(e)}") from None
@@ -141,7 +143,8 @@ def model_config(fields, path: str, param_dtype: str = "float32"
                       ("num_attention_heads", cfg.num_heads),
                       ("num_key_value_heads", cfg.num_kv_heads),
                       ("head_dim", cfg.head_dim),
-                      ("intermediate_size", cfg.mlp_dim)):
+                      ("intermediate_size", cfg.mlp_dim),
+                      ("max_position_embeddings", cfg.max_positions or 1)):
     if value <= 0:
       raise CheckpointError(f"{path}: {name} = {value}: must be > 0")
   if cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads:

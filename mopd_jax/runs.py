@@ -71,6 +71,13 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(saved)
 
 
+def model_fields(section: dict) -> dict:
+  """A run's ``model`` section with every ``ModelConfig`` field, those it
+  lacks (written by a version before the field existed) at their defaults,
+  as ``ModelConfig.of`` reads it."""
+  return {**dataclasses.asdict(ModelConfig()), **section}
+
+
 def is_a(value, kind: str) -> bool:
   """Whether a JSON ``value`` fits a field annotated ``kind`` (``int``,
   ``float``, ``bool``, ``str``; an int is a float, a bool is no number):
@@ -160,8 +167,10 @@ def check_resumable(config, workdir: str) -> None:
       dict(config.to_dict(),
            tokenizer=tokenizer_lib.for_config(config).fingerprint())))
   for run in (saved, ours):
-    for key in EXECUTION_FIELDS:
-      run.get("model", {}).pop(key, None)
+    if isinstance(run.get("model"), dict):
+      run["model"] = model_fields(run["model"])
+      for key in EXECUTION_FIELDS:
+        run["model"].pop(key)
   for key in ("method", "model", "tokenizer"):
     found = key in saved and _first_difference(saved[key], ours.get(key),
                                                key)
@@ -230,6 +239,13 @@ def setup(config, tokenizer=None):
   if not tokenizer.fits(model_cfg.vocab_size):
     raise ConfigError(f"model.vocab_size: {model_cfg.vocab_size} does not"
                       f" fit the tokenizer's {tokenizer.vocab_size} ids")
+  if model_cfg.max_positions and "data" in config and "sampling" in config:
+    length = config.data.max_prompt_len + config.sampling.max_new_tokens
+    if length > model_cfg.max_positions:
+      raise ConfigError(
+          f"data.max_prompt_len + sampling.max_new_tokens: {length}"
+          " positions, more than the model's max_position_embeddings"
+          f" {model_cfg.max_positions}")
   mesh = parallel.make_mesh(config.mesh.data, config.mesh.fsdp,
                             config.mesh.tensor, rules=config.mesh.get("rules"))
   count = config.mesh.get("cpu_devices", 1)
@@ -318,7 +334,7 @@ def finished(run_dir: str) -> bool:
 def check_same_model(run_dir: str, run_config, model_cfg, field: str) -> None:
   """The run in ``run_dir`` must have ``model_cfg``'s architecture (its
   parameters are combined entry by entry with this run's)."""
-  theirs = run_config.model.to_dict()
+  theirs = model_fields(run_config.model.to_dict())
   for key, mine in dataclasses.asdict(model_cfg).items():
     if key not in EXECUTION_FIELDS and theirs.get(key) != mine:
       raise CheckpointError(f"{field}: {run_dir} has model.{key} ="

@@ -17,8 +17,9 @@ log pi(y_t)``, the per-token signal MOPD's ``pg`` loss follows, whose mean
 over sampled tokens estimates ``-KL(pi || T)``) and ``reverse_kl`` (the
 exact ``KL(pi || T) = sum_v pi(v) (log pi(v) - log T(v))`` at each
 position, what ``opd.loss=kl`` minimises). Every input line is checked
-before any scoring: a bad line is ``file:line: what is wrong`` and exit
-code 2, and the output is written whole or not at all.
+before any scoring, its length against the models'
+``max_position_embeddings`` too: a bad line is ``file:line: what is
+wrong`` and exit code 2, and the output is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from mopd_jax.ops import vocab
 
 
 
-def parse(path: str, tokenizer) -> list[tuple[list[int], int]]:
+def parse(path: str, tokenizer, max_length: int = 0
+          ) -> list[tuple[list[int], int]]:
   """``(token ids, index of the first scored token)`` per line of the
-  JSONL file at ``path``, in order."""
+  JSONL file at ``path``, in order; a line of more than ``max_length``
+  tokens (when > 0) is a ``DataError``."""
   out = []
   for where, record in json_records(path):
     keys = sorted(k for k in ("text", "prompt", "completion") if k in record)
@@ -73,6 +76,9 @@ def parse(path: str, tokenizer) -> list[tuple[list[int], int]]:
     if first >= len(ids):
       raise DataError(f"{where}: field 'text' has at most one token:"
                       " nothing to score")
+    if max_length and len(ids) > max_length:
+      raise DataError(f"{where}: {len(ids)} tokens, more than the model's"
+                      f" max_position_embeddings {max_length}")
     out.append((ids, first))
   if not out:
     raise DataError(f"{path}: no lines to score")
@@ -172,7 +178,6 @@ def main() -> None:
   if os.path.isdir(output):
     raise UserError(f"--output: {output} is a directory")
   tokenizer = tokenizer_lib.of_run(f.model)
-  lines = parse(f.input, tokenizer)
   with contextlib.ExitStack() as stack:
     model = load(f.model, "--model", tokenizer, stack)
     teacher = (load(f.teacher, "--teacher", tokenizer, stack) if f.teacher
@@ -181,6 +186,9 @@ def main() -> None:
       raise UserError(f"--teacher: {teacher[0].vocab_size} embeddings,"
                       f" --model {model[0].vocab_size}; their distributions"
                       " cannot be compared token by token")
+    bounds = [m[0].max_positions for m in (model, teacher)
+              if m is not None and m[0].max_positions]
+    lines = parse(f.input, tokenizer, min(bounds, default=0))
     records = score_lines(lines, tokenizer, model, teacher, f.batch_size)
   write_text_atomic(output, "".join(json.dumps(r) + "\n" for r in records))
   print(f"scored {len(records)} lines -> {output}")

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import ROOT, load_config, train_cli
-from mopd_jax import stages
+from mopd_jax import runs, stages
 from mopd_jax.errors import ConfigError
 
 SMOKE = os.path.join(ROOT, "configs", "pretrain.py") + ":smoke"
@@ -41,6 +41,8 @@ def test_defaults_validate_and_fill_missing_fields():
      "model.attention_impl"),
     (lambda c: c.model.__setattr__("attention_impl", "cudnn"),
      "model.attention_impl"),
+    (lambda c: c.model.__setattr__("max_positions", -1),
+     "model.max_positions"),
     (lambda c: c.data.__setattr__("weights", (1.0, 2.0)), "data.weights"),
     (lambda c: c.__setattr__("method", "magic"), "method"),
     (lambda c: c.__setattr__("seed", 2**70), "seed"),
@@ -57,6 +59,22 @@ def test_bad_field_is_named(mutate, field):
   with pytest.raises(ConfigError) as err:
     stages.validate(cfg)
   assert str(err.value).startswith(field + ":")
+
+
+def test_sequences_past_the_models_positions_are_refused():
+  """A model that states the longest sequence it was trained on (an
+  imported checkpoint's max_position_embeddings) refuses a run whose
+  prompts and completions would run past it."""
+  cfg = _smoke()
+  cfg.model.max_positions = cfg.data.max_prompt_len + (
+      cfg.sampling.max_new_tokens)
+  runs.setup(stages.validate(cfg))  # exactly as long: fine
+  cfg.model.max_positions -= 1
+  with pytest.raises(ConfigError, match=(
+      "^data.max_prompt_len \\+ sampling.max_new_tokens: "
+      f"{cfg.model.max_positions + 1} positions, more than the model's"
+      f" max_position_embeddings {cfg.model.max_positions}$")):
+    runs.setup(stages.validate(cfg))
 
 
 def test_wrong_type_is_named():

@@ -85,6 +85,9 @@ def test_import_then_export_matches_transformers(tmp_path, family, shard):
   np.testing.assert_allclose(_our_logits(run_dir), theirs, atol=2e-5)
   out = str(tmp_path / "exported")
   convert.export_run(run_dir, out)
+  exported = json.load(open(os.path.join(out, "config.json")))
+  assert exported["max_position_embeddings"] == (
+      FAMILIES[family].max_position_embeddings)
   again = transformers.AutoModelForCausalLM.from_pretrained(
       out, dtype=torch.float32).eval()
   with torch.no_grad():
@@ -185,6 +188,9 @@ def test_cli_round_trip_and_one_line_errors(tmp_path):
     (dict(num_attention_heads=0), ("must be > 0",)),
     (dict(num_hidden_layers=-1), ("num_hidden_layers = -1",)),
     (dict(rope_theta=-5), ("rope_theta",)),
+    (dict(max_position_embeddings=-3), ("max_position_embeddings = -3",)),
+    (dict(max_position_embeddings="8k"), ("max_position_embeddings = '8k'",
+                                          "integer")),
     (dict(rope_parameters=[1, 2], rope_theta=None), ("rope_parameters",)),
     ([], ("expected a JSON object",)),
     (None, ("expected a JSON object",)),
@@ -308,3 +314,24 @@ def test_errors_inside_an_imported_checkpoint_name_the_users_files(
     with convert.as_run(path) as run_dir:
       raise DataError(f"{run_dir}/chat_template.jinja: the template failed")
   assert str(e.value) == f"{path}/chat_template.jinja: the template failed"
+
+
+def test_score_refuses_lines_past_a_checkpoints_positions(tmp_path):
+  """``score`` on a Hugging Face directory whose config.json states 8
+  positions: a longer line is one error naming it, nothing written."""
+  _, path = _saved(tmp_path, "llama")
+  config = json.load(open(os.path.join(path, "config.json")))
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(dict(config, max_position_embeddings=8), f)
+  lines = tmp_path / "in.jsonl"
+  lines.write_text('{"text": "1+1"}\n{"text": "abcdefghijkl"}\n')
+  out = tmp_path / "out.jsonl"
+  result = subprocess.run(
+      [sys.executable, "-m", "mopd_jax.score", f"--model={path}",
+       f"--input={lines}", f"--output={out}"],
+      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.strip() == (
+      f"error: {lines}:2: 12 tokens, more than the model's"
+      " max_position_embeddings 8")
+  assert not out.exists()

@@ -80,6 +80,15 @@ def test_a_bad_line_names_file_and_line(tmp_path, line, words):
     score.parse(path, TOK)
 
 
+def test_a_line_past_the_models_positions_is_named(tmp_path):
+  path = _write(tmp_path / "in.jsonl", [json.dumps({"text": "1+1=2"}),
+                                        json.dumps({"text": "12+30=42"})])
+  assert len(score.parse(path, TOK, max_length=9)) == 2  # BOS + 8: fits
+  with pytest.raises(DataError, match="in.jsonl:2: 9 tokens, more than the"
+                     " model's max_position_embeddings 8$"):
+    score.parse(path, TOK, max_length=8)
+
+
 def _score_cli(*args):
   return subprocess.run([sys.executable, "-m", "mopd_jax.score", *args],
                         capture_output=True, text=True, cwd=ROOT,

@@ -103,6 +103,16 @@ def test_resuming_with_other_hyperparameters_is_refused(smoke_run, tmp_path,
   config.train.update(steps=6, log_every=3)
   config.checkpoint.every = 3
   runs.check_resumable(stages.validate(config), str(run))
+  # A config.json written before a model field existed reads it at its
+  # default, as ModelConfig.of does: it resumes.
+  saved = json.load(open(run / "config.json"))
+  del saved["model"]["max_positions"]
+  (run / "config.json").write_text(json.dumps(saved))
+  runs.check_resumable(stages.validate(config), str(run))
+  saved["model"]["max_positions"] = 64
+  (run / "config.json").write_text(json.dumps(saved))
+  with pytest.raises(CheckpointError, match="model.max_positions"):
+    runs.check_resumable(stages.validate(config), str(run))
 
 
 def test_checkpoints_without_config_json_are_refused_untouched(

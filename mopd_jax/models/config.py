@@ -24,6 +24,10 @@ class ModelConfig:
   cache (training and scoring): ``xla`` (``decoder.attend``), ``splash``
   (the Pallas TPU kernel, blocks of ``attention_chunk`` or 512) or
   ``cudnn`` (cuDNN's flash attention on GPU); see ``attention_kernels``.
+  ``max_positions`` is the longest sequence the model was trained on
+  (Hugging Face's ``max_position_embeddings``; 0: none stated): RoPE
+  computes any position, but past that one the outputs mean nothing, so
+  longer inputs are refused rather than silently scored.
   """
   vocab_size: int = 58
   embed_dim: int = 128
@@ -42,6 +46,7 @@ class ModelConfig:
   remat: bool = False
   attention_chunk: int = 0
   attention_impl: str = "xla"
+  max_positions: int = 0
 
   def __post_init__(self):
     if self.attention_impl not in ATTENTION_IMPLS:

@@ -175,4 +175,7 @@ def hf_config(cfg: ModelConfig) -> dict:
       "tie_word_embeddings": cfg.tie_embeddings,
       "attention_bias": cfg.attention_bias, "hidden_act": "silu",
       "torch_dtype": cfg.param_dtype,
+      # transformers' own default (2048) when the model states none
+      **({"max_position_embeddings": cfg.max_positions}
+         if cfg.max_positions else {}),
   }
