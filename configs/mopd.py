@@ -8,7 +8,7 @@ separated by commas. The loss is ``opd.loss`` (pg | topk | kl); the
 Open-MOPD mechanisms are switched on in ``open_mopd`` (``token_share``,
 ``gap_budget``, ``reward_refresh``). Variants: ``:open`` (all three on,
 with the tempered balancing and per-sequence gap that measured better
-together than the exact ones: see README, Open-MOPD ablation), ``:smoke``
+together than the exact ones: see docs/history.md, Open-MOPD ablation), ``:smoke``
 (seconds, for tests), ``:hf`` (a Hugging Face checkpoint on accelerators:
 ``mopd_jax.config.for_real_models``).
 """

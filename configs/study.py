@@ -25,7 +25,11 @@ the delta teacher, the three label-free token routers, MOPD from the
 best merge; each reported against plain MOPD), ``:smoke_beyond`` (the
 same at smoke size), ``:variants`` (the default study plus the
 objectives of prefix source x KL direction, KL mixing, the entropy-gated
-length curriculum and the TRB warm-up), ``:smoke_variants``. Any seeds:
+length curriculum and the TRB warm-up), ``:smoke_variants``,
+``:imbalanced`` (Open-MOPD's misallocation: a long-derivation domain
+beside a concise one, plain MOPD against each mechanism alone and all
+three),
+``:smoke_imbalanced``. Any seeds:
 ``--config.seeds='(0,1,2,3)'``.
 """
 
