@@ -127,7 +127,8 @@ def defaults() -> ml_collections.ConfigDict:
                      "model_stock", "karcher", "sparse_union")
   c.merge_sweep = True  # lambda/density chosen on validation
   # the merge of the co-evolved experts (step copd_merge): the best merge
-  # of the default study over 3 seeds (docs/results.md)
+  # of 2026-12-02's default study over 3 seeds, 0.6 points below
+  # task_arithmetic in 2026-12-04's (docs/results.md): one of the two best
   c.copd_merge_method = "dare_ties"
   # Per step config, "field=value" strings (a value is read as JSON where
   # it parses); setting one replaces that step's tuple. The defaults are
