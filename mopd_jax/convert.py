@@ -144,6 +144,7 @@ def model_config(fields, path: str, param_dtype: str = "float32"
                       ("num_key_value_heads", cfg.num_kv_heads),
                       ("head_dim", cfg.head_dim),
                       ("intermediate_size", cfg.mlp_dim),
+                      # 0: none stated (unbounded), nothing to check
                       ("max_position_embeddings", cfg.max_positions or 1)):
     if value <= 0:
       raise CheckpointError(f"{path}: {name} = {value}: must be > 0")

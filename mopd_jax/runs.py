@@ -72,9 +72,10 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
 
 
 def model_fields(section: dict) -> dict:
-  """A run's ``model`` section with every ``ModelConfig`` field, those it
-  lacks (written by a version before the field existed) at their defaults,
-  as ``ModelConfig.of`` reads it."""
+  """A run's ``model`` section (a plain dict, unchecked) with every
+  ``ModelConfig`` field, those it lacks (written by a version before the
+  field existed) at their defaults, as ``ModelConfig.of`` reads it: the
+  two runs' sections compare field by field."""
   return {**dataclasses.asdict(ModelConfig()), **section}
 
 
