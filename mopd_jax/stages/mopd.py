@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 
@@ -464,6 +465,21 @@ def check(config) -> None:
     runs.check_same_tokens(run_dir, run_config, tokenizer, "teachers")
     runs.check_same_vocabulary(run_dir, run_config, config.model.vocab_size,
                                "teachers")
+
+
+def as_trained(fields: dict) -> dict:
+  """A MOPD run's config (as JSON: ``config.json``'s form) as far as it
+  changes training. Reward refresh re-scores ``a_t`` under the current
+  student, and with a dense loss (``kl``, ``topk``) and no gate ``a_t``
+  only enters the logged ``signal``, so it is dropped there: two runs equal
+  here train bit-identically (measured: the same ``params_sha256`` on the
+  three seeds of the imbalanced study, docs/results.md)."""
+  fields = json.loads(json.dumps(fields))
+  fields.pop("tokenizer", None)  # config.json's record of it
+  fields["model"] = runs.model_fields(fields["model"])  # older runs'
+  if fields["opd"]["loss"] != "pg" and not fields["opd"]["gate"]:
+    fields["open_mopd"]["reward_refresh"] = False
+  return fields
 
 
 def make_method(config, tokenizer, model_cfg, mesh, sampling, dirs=None):

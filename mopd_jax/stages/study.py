@@ -34,6 +34,7 @@ from mopd_jax.data.domains import (DOMAINS, EXTRA_DOMAINS, HELD_OUT_DOMAINS,
 from mopd_jax.data import files
 from mopd_jax.merge.methods import METHODS as MERGE_METHODS
 from mopd_jax.stages import copd as copd_stage
+from mopd_jax.stages import mopd as mopd_stage
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluation.run_eval import eval_file_name, evaluate_run
 from mopd_jax.evaluation import study_results
@@ -415,11 +416,34 @@ class Study:
     return self.child_config("mix_rl", init=self.base)
 
   def child(self, label: str, name: str, workdir: str, **fields) -> None:
-    """Train (or resume) one run, unless it is finished."""
+    """Train (or resume) one run, unless it is finished or is plain MOPD's
+    twin (then a link to that run)."""
     if os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
       print(f"study: {label} finished before ({workdir})")
       return
-    stages.run(self.child_config(name, **fields), workdir)
+    config = self.child_config(name, **fields)
+    twin = self.twin(name, workdir, config)
+    if twin:
+      os.symlink(os.path.relpath(twin, os.path.dirname(workdir)), workdir)
+      print(f"study: {label} trains bit-identically to plain MOPD"
+            f" (mopd.as_trained): {workdir} links to {twin}")
+      return
+    stages.run(config, workdir)
+
+  def twin(self, name: str, workdir: str, config) -> str | None:
+    """The finished plain MOPD run when the new MOPD run ``workdir`` would
+    train exactly as it did (``mopd.as_trained``, the model resolved from
+    ``init`` as the run would resolve it), else None."""
+    plain = self.models()["mopd"]
+    if (name != "mopd" or workdir == plain or os.path.lexists(workdir)
+        or not runs.finished(plain)):
+      return None
+    config = config.copy_and_resolve_references()
+    runs.resolve_model(config)
+    ours = mopd_stage.as_trained(config.to_dict())
+    theirs = mopd_stage.as_trained(json_files.read_object(
+        os.path.join(plain, runs.CONFIG_FILE)))
+    return plain if ours == theirs else None
 
 
 def seed_dir(workdir: str, seed: int) -> str:

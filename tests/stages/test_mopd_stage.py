@@ -334,13 +334,15 @@ def test_pg_loss_is_reinforce_on_the_signal_and_refresh_rescores():
   assert not np.allclose(current * mask, data["old_logp"] * mask, atol=1e-3)
 
 
-def test_refresh_does_not_change_the_kl_loss():
-  """Under ``opd.loss=kl`` (no gate, no extrapolation) the loss is the exact
-  KL under the current student, so the refresh only changes the logged
-  signal: an ablation row with ``reward_refresh`` alone equals plain MOPD."""
+@pytest.mark.parametrize("loss", ["kl", "topk"])
+def test_refresh_does_not_change_a_dense_loss(loss):
+  """Under a dense loss (``opd.loss=kl``, the exact KL under the current
+  student, or ``topk``) without the gate, the refresh only changes the
+  logged signal: an ablation row with ``reward_refresh`` alone equals plain
+  MOPD (``mopd.as_trained``)."""
   student, teachers = _models()
   data = _batch(student, teachers, np.array([1, 0, 1, 0], np.int32))
-  rl, opd_cfg = _sections(loss="kl")
+  rl, opd_cfg = _sections(loss=loss)
   teacher_w = _teacher_w(teachers)
   moved = jax.tree.map(lambda x: x * 1.1, student[1])
   out = []
@@ -353,6 +355,28 @@ def test_refresh_does_not_change_the_kl_loss():
   for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):
     np.testing.assert_array_equal(a, b)
   assert abs(float(out[0][2]) - float(out[1][2])) > 1e-3
+
+
+def test_as_trained_drops_the_refresh_only_where_it_changes_nothing():
+  """A study links a MOPD variant to plain MOPD where the two are equal
+  ``as_trained``: reward refresh under a dense loss without the gate (the
+  test above); under the ``pg`` loss or the gate it is a run of its own."""
+  plain = stages.recipe("mopd", "").to_dict()
+
+  def with_(fields, **opd_fields):
+    return dict(fields, opd=dict(fields["opd"], **opd_fields))
+  refreshed = dict(plain, open_mopd=dict(plain["open_mopd"],
+                                         reward_refresh=True))
+  assert plain["opd"]["loss"] == "kl"
+  assert mopd_stage.as_trained(refreshed) == mopd_stage.as_trained(plain)
+  assert mopd_stage.as_trained(with_(refreshed, loss="topk")) == (
+      mopd_stage.as_trained(with_(plain, loss="topk")))
+  for opd_fields in ({"loss": "pg"}, {"gate": True}):
+    assert mopd_stage.as_trained(with_(refreshed, **opd_fields)) != (
+        mopd_stage.as_trained(with_(plain, **opd_fields)))
+  # anything else that differs still differs
+  assert mopd_stage.as_trained(with_(refreshed, kl_alpha=1.0)) != (
+      mopd_stage.as_trained(plain))
 
 
 def test_distillation_closes_the_gap_to_a_teacher():

@@ -3,6 +3,7 @@ cached re-run), and each new statistic against hand-computed values."""
 
 import json
 import math
+import os
 
 import jax
 import pytest
@@ -163,13 +164,18 @@ def test_the_beyond_variants_on_the_smoke_studys_experts(study, data_dir,
   result = train_cli(f"--config={ROOT}/configs/study.py:smoke_beyond",
                      f"--workdir={workdir}", f"--config.base={smoke_run[0]}",
                      f"--config.experts={study[0]}/expert_{{domain}}",
-                     "--config.steps=('mopd',%s,'copd','copd_merge',"
-                     "'copd_mopd','evaluate','report')"
+                     "--config.steps=('mopd',%s,'mopd_reward_refresh',"
+                     "'copd','copd_merge','copd_mopd','evaluate','report')"
                      % ",".join(f"'{v}'" for v in routers),
+                     # the copied MOPD run's (no async step here)
+                     "--config.mesh.cpu_devices=1",
                      f"--config.data_dir={data_dir}", env=cached_env,
                      timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "mopd finished before" in result.stdout
+  # reward refresh alone under the kl loss trains as plain MOPD: a link
+  assert os.readlink(workdir / "mopd_reward_refresh") == "mopd"
+  assert "mopd_reward_refresh trains bit-identically" in result.stdout
   results = json.loads((workdir / "results.json").read_text())
   methods, domains = results["methods"], results["domains"]
   for name, router in routers.items():
@@ -186,6 +192,8 @@ def test_the_beyond_variants_on_the_smoke_studys_experts(study, data_dir,
       assert sum(methods[name]["routing"][d].values()) == pytest.approx(
           1.0), (name, d)
   assert "routing" not in methods["mopd"]
+  assert methods["mopd_reward_refresh"]["accuracy"] == (
+      methods["mopd"]["accuracy"])
   for kind in ("tokens", "loss"):  # each a share of the whole
     assert sum(methods["mopd"]["shares"][kind].values()) == pytest.approx(1)
   # the co-evolved experts, merged and distilled, beside plain MOPD
