@@ -1,12 +1,11 @@
-"""Test-wide setup: 8 fake CPU devices (before jax is imported anywhere) so
-sharding tests exercise a real mesh layout, one small TFDS data dir, one
+"""Test-wide setup: 8 fake CPU devices in the test processes so sharding
+tests exercise a real mesh layout, one small TFDS data dir, one
 persistent compilation cache for the session, XLA's optimisations off
 outside the real-model tier, and one thread per torch or BLAS call."""
 
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One cache for the whole session, set by the first process (pytest-xdist's
 # controller, before it starts the workers) and inherited by the workers
@@ -28,7 +27,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# The 8 devices in this process only (as XLA_FLAGS'
+# --xla_force_host_platform_device_count=8 would make them, before any
+# device is touched): the commands the tests start see the one CPU device
+# a user's machine has, unless they ask for more (mesh.cpu_devices). A
+# smoke run's data-parallel mesh over 8 fake devices cost 1.2 s of its 6
+# (measured: 6.2 against 5.0 s).
+if "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""):
+  jax.config.update("jax_num_cpu_devices", 8)
 
 
 def pytest_unconfigure(config):

@@ -150,7 +150,7 @@ def test_cli_mopd_with_two_teachers_on_a_sharded_mesh(smoke_run, tmp_path,
        f"--config.data.data_dir={data_dir}", "--config.train.steps=2",
        "--config.eval.greedy=False", "--config.mesh.fsdp=2",
        "--config.mesh.tensor=2", "--config.opd.teacher_devices=4",
-       "--config.opd.loss=kl"],
+       "--config.mesh.cpu_devices=8", "--config.opd.loss=kl"],
       capture_output=True, text=True, timeout=300, cwd=ROOT,
       env=dict(cached_env, PYTHONPATH=ROOT))
   assert result.returncode == 0, result.stderr[-3000:]
