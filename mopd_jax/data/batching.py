@@ -54,6 +54,18 @@ def pack_demonstrations(draw: Callable[[], object], tokenizer, rows: int,
   return dict(tokens=tokens, segment_ids=segments, loss_mask=loss_mask), packed
 
 
+def bucket_width(longest: int, width: int) -> int:
+  """The columns a set of rows is cut to: the smallest of 8, 12, 16, 24,
+  32, 48, ... (``2^i`` and ``1.5 x 2^i``) that holds its ``longest``
+  completion, at most the batch's ``width``: few widths, so that few shapes
+  compile, each at most 1.5 times the longest."""
+  candidate = 8
+  while candidate < longest:
+    power_of_two = candidate & (candidate - 1) == 0
+    candidate = candidate * 3 // 2 if power_of_two else candidate * 4 // 3
+  return min(candidate, width)
+
+
 def encode_prompts(prompts: Sequence[str], tokenizer, width: int,
                    rows: int = 0, fit: bool = False):
   """Left-padded prompt rows (``tokenizer.prompt_ids``): ``(tokens,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mopd_jax import parallel, runs
+from mopd_jax.data import batching
 from mopd_jax.errors import CheckpointError, ConfigError
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig, with_execution
@@ -317,19 +318,25 @@ def sample_routed(student: Model, teachers: list[Teacher],
 def _dispatch(scorers, params, rows_per_teacher, arrays: dict, mesh
               ) -> list:
   """``(j, rows, result)``: teacher ``j`` scores the rows
-  ``rows_per_teacher[j]`` (padded, ``padded_rows``), every pass dispatched
-  before any result is read (the next teacher's batch is prepared while
-  this one scores)."""
+  ``rows_per_teacher[j]`` (padded, ``padded_rows``) on the completion
+  columns they reach (``batching.bucket_width``: a concise domain's
+  teacher does not score a long one's padding; attention is causal, so
+  the cut changes nothing), every pass dispatched before any result is
+  read (the next teacher's batch is prepared while this one scores)."""
   pending = []
+  width = arrays["mask"].shape[1]
   for j, (scorer, p, rows) in enumerate(zip(scorers, params,
                                             rows_per_teacher)):
     if not rows.size:
       continue
     idx = padded_rows(rows, mesh)
+    cut = batching.bucket_width(int(arrays["mask"][rows].sum(1).max()),
+                                width)
     with parallel.activate(mesh):
-      batch_in = parallel.shard_batch(
-          mesh, {k: arrays[k][idx] for k in ("prompt", "prompt_mask",
-                                             "completion", "mask")})
+      batch_in = parallel.shard_batch(mesh, dict(
+          prompt=arrays["prompt"][idx], prompt_mask=arrays["prompt_mask"][idx],
+          completion=arrays["completion"][idx, :cut],
+          mask=arrays["mask"][idx, :cut]))
       pending.append((j, rows, scorer(p, **batch_in)))
   return pending
 
@@ -338,8 +345,8 @@ def _gather(pending, shape, hidden_width: int, teachers: int | None
             ) -> dict:
   """The results of ``_dispatch`` as float32 [B, T] arrays, each row its
   own teacher's (``teachers`` J: [J, B, T], teacher ``j``'s at ``[j]``),
-  and ``teacher_hidden`` with a last axis of ``hidden_width``,
-  zero-padded."""
+  zero past the columns a teacher scored, and ``teacher_hidden`` with a
+  last axis of ``hidden_width``, zero-padded."""
   lead = (teachers,) if teachers else ()
   out: dict = {}
   for j, rows, result in pending:
@@ -349,10 +356,10 @@ def _gather(pending, shape, hidden_width: int, teachers: int | None
       if key not in out:
         tail = (hidden_width,) if value.ndim == 3 else ()
         out[key] = np.zeros(lead + shape + tail, np.float32)
+      cut = (slice(0, value.shape[1]),)
       if value.ndim == 3:
-        out[key][at + (slice(None), slice(0, value.shape[-1]))] = value
-      else:
-        out[key][at] = value
+        cut += (slice(0, value.shape[-1]),)
+      out[key][at + cut] = value
   return out
 
 

@@ -248,11 +248,16 @@ def imbalanced(config, smoke: bool) -> None:
   # (32 prompts a step), 50 MOPD steps evaluated every 10 on 64 prompts
   # (the dynamics while the domains still improve), experts stopped by
   # step 200 at the latest
+  # (each minibatch's updates in four parts by length,
+  # ``rl.length_buckets``: the same steps, a concise row no longer padded
+  # to a derivation's width; 2.1 times faster updates, docs/performance.md)
   config.overrides.mopd = ("rl.epochs=2",) + (
       () if smoke else ("train.steps=50", "train.eval_every=10",
-                        "eval.num_prompts=64", "rl.prompts_per_step=32"))
+                        "eval.num_prompts=64", "rl.prompts_per_step=32",
+                        "rl.length_buckets=4"))
   if not smoke:
-    config.overrides.grpo = ("rl.prompts_per_step=16", "train.steps=200")
+    config.overrides.grpo = ("rl.prompts_per_step=16", "train.steps=200",
+                             "rl.length_buckets=4")
     config.eval.update(samples=4, coverage_prompts=64)
 
 

@@ -137,3 +137,14 @@ def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
   for r in records + again:
     r.pop("steps_per_sec", None)
   assert again == records
+
+
+def test_bench_length_buckets_smoke():
+  result = _run("bench_length_buckets.py", "--preset=micro", "--rows=8",
+                "--width=16", "--prompt_len=4", "--long=12",
+                "--minibatches=2", "--epochs=1", "--buckets=2",
+                "--repeats=1")
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  assert lines[-1].startswith("ratio (1 part / 2 parts)")
+  assert "length_buckets=2" in result.stdout

@@ -25,6 +25,7 @@ from mopd_jax.models.tokenizer import CharTokenizer
 from mopd_jax.objectives import opd
 from mopd_jax.ops import vocab
 from mopd_jax.rollout import sampler
+from mopd_jax.stages import grpo as grpo_stage
 from mopd_jax.stages import mopd as mopd_stage
 from mopd_jax.stages import on_policy
 
@@ -416,6 +417,79 @@ def test_distillation_closes_the_gap_to_a_teacher():
                                  (jnp.zeros((1, 1, 1)),))
   assert curve[0] > 3.0, curve
   assert np.mean(curve[-3:]) < 0.5 * np.mean(curve[:3]), curve
+
+
+@pytest.mark.parametrize("loss", ["grpo", "kl"])
+def test_length_parts_take_the_whole_minibatchs_step(loss):
+  """``rl.length_buckets``: the rows sorted by length in 4 parts, each cut
+  to its own width, give the optimiser step of the whole minibatch (SGD
+  with rate 1: the new parameters are ``params - grad``), with the same
+  metrics; GRPO with the KL to a reference and per-sequence aggregation,
+  and the full-vocabulary KL of two routed teachers (their hidden states
+  cut with the rest; the teacher of the short rows scores only the columns
+  they reach, and its scores are still its full logits')."""
+  sampling = sampler.SamplingConfig(max_new_tokens=24, stop_ids=())
+  (cfg, params), teachers = _models()
+  prompts = ["add 12+7=", "sort dcba:", "rev xyz:", "add 3+4="] * 2
+  prompt, prompt_mask = batching.encode_prompts(prompts, TOK, 12)
+  rollout = sampler.sample(params, cfg, prompt, prompt_mask,
+                           jax.random.key(3), sampling)
+  lengths = np.array([1, 24, 3, 17, 5, 9, 2, 12])
+  mask = (np.arange(24) < lengths[:, None]).astype(np.int32)
+  rng = np.random.default_rng(0)
+  data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
+              completion=np.asarray(rollout.completion), mask=mask,
+              # pi_old off the current policy, so that some ratios clip
+              old_logp=np.asarray(rollout.logprobs)
+              + rng.normal(0, 0.3, mask.shape).astype(np.float32),
+              advantages=rng.normal(size=8).astype(np.float32),
+              keep=np.ones(8, np.float32),
+              weight=rng.uniform(0.5, 2, 8).astype(np.float32))
+  rl, opd_cfg = _sections(loss=loss if loss != "grpo" else "kl")
+  if loss == "grpo":
+    rl.update(beta=0.1, aggregation="seq_mean_token_mean")
+    data["ref_logp"] = data["old_logp"] + 0.2
+    loss_fn, shared = grpo_stage.make_loss(cfg, sampling, rl, OPS), ()
+  else:
+    mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1,
+                              devices=jax.devices()[:1])
+    ids = np.array([0, 1] * 4, np.int32)
+    data.update(teacher_lib.score(
+        [teacher_lib.make_scorer((c,), (1.0,), True, True)
+         for c, _ in teachers], [(p,) for _, p in teachers], ids, data,
+        mesh, max(c.embed_dim for c, _ in teachers)))
+    data["teacher_id"] = np.broadcast_to(ids[:, None], mask.shape).copy()
+    # teacher 0's rows are scored on 8 columns of 24: still its own scores
+    lt = jax.nn.log_softmax(_teacher_logits(teachers, data), -1)
+    np.testing.assert_allclose(data["teacher_logp"], np.take_along_axis(
+        lt, data["completion"][..., None], -1)[..., 0] * mask, rtol=1e-5,
+                               atol=1e-5)
+    loss_fn = opd.make_loss(cfg, sampling, rl, opd_cfg, False, OPS)
+    shared = (_teacher_w(teachers),)
+  update = on_policy.make_update(loss_fn, optax.sgd(1.0))
+
+  def step(parts):
+    train = dict(params=jax.tree.map(jnp.copy, params))
+    train["opt_state"] = optax.sgd(1.0).init(train["params"])
+    train, metrics = update(train, parts, *shared)
+    return train["params"], {k: (float(s), float(c))
+                             for k, (s, c) in metrics.items()}
+
+  want, want_metrics = step([data])
+  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), want,
+                       params)
+  assert max(jax.tree.leaves(moved)) > 1e-3
+  parts = on_policy.length_parts(data, 4)
+  assert [p["mask"].shape[1] for p in parts] == [8, 8, 12, 24]
+  assert [p["teacher_hidden"].shape[1] for p in parts
+          if "teacher_hidden" in p] in ([], [8, 8, 12, 24])
+  got, got_metrics = step(parts)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=2e-5, atol=2e-6), got, want)
+  assert got_metrics.keys() == want_metrics.keys()
+  for k, pair in want_metrics.items():
+    np.testing.assert_allclose(got_metrics[k], pair, rtol=2e-5, atol=2e-5,
+                               err_msg=k)
 
 
 @pytest.mark.parametrize("extra", [

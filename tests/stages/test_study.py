@@ -487,6 +487,11 @@ def test_the_imbalanced_study_has_the_papers_conditions(variant):
   mopd = study.child_config("mopd", init="b", teachers=study.template)
   assert mopd.rl.epochs == 2 and mopd.rl.minibatches == (
       2 if variant.startswith("smoke") else 4)
+  # the full size's updates in parts by length (the same steps, less
+  # padding); its experts' too
+  expert = study.child_config("grpo", init="b", domain="derive")
+  assert (mopd.rl.length_buckets, expert.rl.length_buckets) == (
+      (1, 1) if variant.startswith("smoke") else (4, 4))
   assert mopd.data.domains == ("derive", "instruct")
   assert config.steps == ("base", "experts", "mopd", "open_mopd",
                           "mopd_token_share", "mopd_gap_budget",
