@@ -194,20 +194,26 @@ def length_parts(mb: dict, parts: int) -> list[dict]:
   """``mb``'s rows sorted by completion length (``mask``'s row sums) and
   split into ``parts`` equal parts, each cut to ``batching.bucket_width``
   of its longest completion on the completion axis; ``[mb]`` when
-  ``parts`` is 1. Columns past a row's completion are masked in every loss and,
-  attention being causal, change nothing before them."""
+  ``parts`` is 1. Columns past a row's completion are masked in every
+  loss and, attention being causal, change nothing before them."""
   if parts == 1:
     return [mb]
   lengths = mb["mask"].sum(1)
   width = mb["mask"].shape[1]
+  per_token = {k for k, v in mb.items() if v.ndim > 1 and k not in
+               PROMPT_KEYS}
+  other = sorted(k for k in per_token if mb[k].shape[1] != width)
+  if other:  # a new per-sequence array: name it in PROMPT_KEYS
+    raise ValueError(f"length_parts: {other} are not per completion"
+                     " position")
   order = np.argsort(lengths, kind="stable")
   size = len(order) // parts
   out = []
   for p in range(parts):
     idx = order[p * size:(p + 1) * size]
     cut = batching.bucket_width(int(lengths[idx].max()), width)
-    out.append({k: v[idx][:, :cut] if v.ndim > 1 and k not in PROMPT_KEYS
-                else v[idx] for k, v in mb.items()})
+    out.append({k: v[idx][:, :cut] if k in per_token else v[idx]
+                for k, v in mb.items()})
   return out
 
 

@@ -479,6 +479,8 @@ def test_length_parts_take_the_whole_minibatchs_step(loss):
   moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), want,
                        params)
   assert max(jax.tree.leaves(moved)) > 1e-3
+  with pytest.raises(ValueError, match="not per completion position"):
+    on_policy.length_parts(dict(data, top=np.zeros((8, 3))), 4)
   parts = on_policy.length_parts(data, 4)
   assert [p["mask"].shape[1] for p in parts] == [8, 8, 12, 24]
   assert [p["teacher_hidden"].shape[1] for p in parts
