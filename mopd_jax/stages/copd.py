@@ -112,9 +112,7 @@ def run(config, workdir: str):
   """Co-evolve the experts; returns the final combined state."""
   tokenizer, model_cfg, mesh = runs.setup(config)
   names = tuple(config.data.domains)
-  runs.check_divisible(mesh, config.rl.prompts_per_step
-                       * config.rl.group_size // config.rl.minibatches,
-                       "rl.minibatches")
+  on_policy.check_mesh(mesh, config.rl)
   params = runs.load_params(config.init, model_cfg, mesh)
   optimizer = training.make_optimizer(config.optim, config.train.steps)
   ops = vocab.VocabOps.of(config.ops)

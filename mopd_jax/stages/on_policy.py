@@ -206,6 +206,9 @@ def length_parts(mb: dict, parts: int) -> list[dict]:
   if other:  # a new per-sequence array: name it in PROMPT_KEYS
     raise ValueError(f"length_parts: {other} are not per completion"
                      " position")
+  if len(lengths) % parts:
+    raise ValueError(f"length_parts: {len(lengths)} rows do not split into"
+                     f" {parts} equal parts")
   order = np.argsort(lengths, kind="stable")
   size = len(order) // parts
   out = []
@@ -215,6 +218,15 @@ def length_parts(mb: dict, parts: int) -> list[dict]:
     out.append({k: v[idx][:, :cut] if k in per_token else v[idx]
                 for k, v in mb.items()})
   return out
+
+
+def check_mesh(mesh, rl) -> None:
+  """Each minibatch, and each of its length parts, splits evenly over
+  ``mesh``'s batch axis."""
+  minibatch = rl.prompts_per_step * rl.group_size // rl.minibatches
+  runs.check_divisible(mesh, minibatch, "rl.minibatches")
+  runs.check_divisible(mesh, minibatch // rl.length_buckets,
+                       "rl.length_buckets")
 
 
 def optimise(train, data: dict, update, rl, rng: np.random.Generator,
@@ -538,10 +550,7 @@ def run(config, workdir: str, names: tuple[str, ...], make_method, desc: str,
   tokenizer, model_cfg, mesh = runs.setup(config)
   mesh, sample_mesh = split_for_sampling(mesh, config)
   rl = config.rl
-  batch = rl.prompts_per_step * rl.group_size
-  runs.check_divisible(mesh, batch // rl.minibatches, "rl.minibatches")
-  runs.check_divisible(mesh, batch // rl.minibatches // rl.length_buckets,
-                       "rl.length_buckets")
+  check_mesh(mesh, rl)
   sampling = sampler.SamplingConfig.of(
       config.sampling, tokenizer, max_new_tokens=completion_budget(
           names, config.sampling.max_new_tokens))

@@ -481,6 +481,8 @@ def test_length_parts_take_the_whole_minibatchs_step(loss):
   assert max(jax.tree.leaves(moved)) > 1e-3
   with pytest.raises(ValueError, match="not per completion position"):
     on_policy.length_parts(dict(data, top=np.zeros((8, 3))), 4)
+  with pytest.raises(ValueError, match="do not split into 3 equal parts"):
+    on_policy.length_parts(data, 3)
   parts = on_policy.length_parts(data, 4)
   assert [p["mask"].shape[1] for p in parts] == [8, 8, 12, 24]
   assert [p["teacher_hidden"].shape[1] for p in parts

@@ -1,7 +1,10 @@
 """The shared on-policy step, called directly as the stages call it."""
 
+import types
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -131,3 +134,21 @@ def test_one_step_async_trains_on_the_previous_steps_rollouts(smoke_run,
   with pytest.raises(ConfigError, match="a device of their own"):
     on_policy.split_for_sampling(parallel.make_mesh(
         devices=jax.devices()[:1]), config)
+
+
+@pytest.mark.parametrize("minibatches,buckets,field", [
+    (2, 1, None), (2, 2, None), (8, 1, "rl.minibatches"),
+    (2, 4, "rl.length_buckets")])
+def test_check_mesh_names_the_field_that_breaks_the_data_split(
+    minibatches, buckets, field):
+  """8 prompts x 4 samples over 8 data-parallel devices: minibatches of 16
+  split, parts of 4 do not (and what GRPO's and CoPD's runs check)."""
+  rl = ml_collections.ConfigDict(dict(
+      prompts_per_step=8, group_size=4, minibatches=minibatches,
+      length_buckets=buckets))
+  mesh = types.SimpleNamespace(shape={"data": 4, "fsdp": 2})
+  if field is None:
+    on_policy.check_mesh(mesh, rl)
+  else:
+    with pytest.raises(ConfigError, match=field):
+      on_policy.check_mesh(mesh, rl)
