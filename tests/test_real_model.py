@@ -150,7 +150,7 @@ def test_export_reloads_in_transformers_with_its_logits_and_chat(
   assert generation["eos_token_id"] in (2, [2])
 
 
-def _math_file(path, n=24):
+def _math_file(path, n=120):
   """Templated arithmetic word problems with exact answers."""
   rng = np.random.default_rng(0)
   with open(path, "w") as f:
@@ -168,12 +168,14 @@ def _math_file(path, n=24):
 ONE_DEVICE = dict(os.environ, XLA_FLAGS="", JAX_DISABLE_MOST_OPTIMIZATIONS="0")
 # A GRPO or MOPD step as small as the real model allows on two cores (the
 # prompts' ChatML with SmolLM2's system line is about 55 tokens: a width of
-# 64 holds them, and a step at 128 took twice as long).
+# 64 holds them, and a step at 128 took twice as long). The evaluation's 4
+# prompts of the file's test split (hashed: about 1 line in 20) are the
+# rollout's 4 rows, so it runs the sampler the rollout compiled.
 TINY = ("--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
         "--config.rl.minibatches=1", "--config.sampling.max_new_tokens=8",
         "--config.data.max_prompt_len=64", "--config.train.steps=1",
-        "--config.train.eval_every=0", "--config.eval.num_prompts=2",
-        "--config.eval.batch_size=2", "--config.eval.greedy=False",
+        "--config.train.eval_every=0", "--config.eval.num_prompts=4",
+        "--config.eval.batch_size=4", "--config.eval.greedy=False",
         "--config.checkpoint.every=1")
 
 

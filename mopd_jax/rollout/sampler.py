@@ -209,8 +209,12 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
   instead (``logprobs`` are then the blend's: the behaviour policy's).
   """
   mesh = jax.sharding.get_mesh()
+  delta = jnp.float32(guide[2] if guide else 0.0)
   if not mesh.empty:
     prompt, prompt_mask = parallel.shard_batch(mesh, (prompt, prompt_mask))
+    # one layout for the scalars, wherever they were made: a key on one
+    # device and a key on the mesh are the same bytes, but two programs
+    key, delta = jax.device_put((key, delta), parallel.replicated(mesh))
   models = [(params, cfg)] + ([guide[:2]] if guide else [])
   filled = [_prefill(p, c, prompt, prompt_mask,
                      prompt.shape[1] + sampling.max_new_tokens)
@@ -218,8 +222,7 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
   rollout, _ = _decode(tuple(p for p, _ in models),
                        tuple(c for _, c in models), sampling, key,
                        tuple(f[1] for f in filled),
-                       tuple(f[0] for f in filled), filled[0][2],
-                       jnp.float32(guide[2] if guide else 0.0))
+                       tuple(f[0] for f in filled), filled[0][2], delta)
   return rollout
 
 

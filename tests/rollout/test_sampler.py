@@ -208,3 +208,23 @@ def test_guided_sampling_draws_from_the_blend_of_both_full_forwards(setup):
                              atol=1e-4)
   kl = np.sum(np.exp(blend) * (blend - lp[0]), -1)
   assert np.all(kl[m > 0] <= 0.2 + 1e-4)
+
+
+def test_a_key_made_on_one_device_or_on_the_mesh_runs_one_program(setup):
+  """The rollouts' keys are made on one device, the evaluation's under the
+  mesh: the same bytes, and one compiled decode for both (it compiled
+  twice, 4 s each on SmolLM2, before the sampler put its scalars on the
+  mesh)."""
+  from mopd_jax import parallel
+  params, prompt, mask = setup
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  greedy = sampler.SamplingConfig(max_new_tokens=3, temperature=0.0,
+                                  stop_ids=(EOS,))
+  key = jax.random.key(0)
+  with parallel.activate(mesh):
+    first = sampler.sample(params, CFG, prompt, mask, key, greedy)
+    compiled = sampler._decode._cache_size()
+    second = sampler.sample(params, CFG, prompt, mask, jax.device_put(
+        key, parallel.replicated(mesh)), greedy)
+  assert sampler._decode._cache_size() == compiled
+  np.testing.assert_array_equal(first.completion, second.completion)
