@@ -89,7 +89,8 @@ def pretrain_smoke_command(workdir, data_dir):
   import sys
   return [sys.executable, "-m", "mopd_jax.train",
           f"--config={ROOT}/configs/pretrain.py:smoke", f"--workdir={workdir}",
-          f"--config.data.data_dir={data_dir}"]
+          f"--config.data.data_dir={data_dir}",
+          "--config.train.eval_every=2"]  # the shared run evaluates twice
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ def _expert(data_dir, smoke_run, steps, confirm=0):
   config = load_config("grpo", "smoke")
   config.update(init=str(smoke_run[0]))
   config.data.data_dir = data_dir
-  config.train.steps = steps
+  config.train.update(steps=steps, eval_every=2)
   config.stop.update(gain=0.25, num_prompts=8, confirm_prompts=confirm)
   return stages.validate(config)
 

@@ -43,7 +43,7 @@ def test_stage_stops_at_the_first_evaluation_reaching_the_target(
   reached at step 4 of 8."""
   config = load_config("pretrain", "smoke")
   config.data.data_dir = data_dir
-  config.train.steps = 8
+  config.train.update(steps=8, eval_every=2)
   config.select.update(target=0.5, ceiling=0.8)
   config = stages.validate(config)
   calls = []
