@@ -1,5 +1,7 @@
 """The KV-cached sampler against one full forward pass, and its policy."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,11 +212,13 @@ def test_guided_sampling_draws_from_the_blend_of_both_full_forwards(setup):
   assert np.all(kl[m > 0] <= 0.2 + 1e-4)
 
 
-def test_a_key_made_on_one_device_or_on_the_mesh_runs_one_program(setup):
+def test_keys_on_one_device_or_the_mesh_and_every_temperature_run_one_program(
+    setup):
   """The rollouts' keys are made on one device, the evaluation's under the
   mesh: the same bytes, and one compiled decode for both (it compiled
   twice, 4 s each on SmolLM2, before the sampler put its scalars on the
-  mesh)."""
+  mesh). Greedy and sampled decoding (an evaluation runs both) share it
+  too: the temperature is traced."""
   from mopd_jax import parallel
   params, prompt, mask = setup
   mesh = parallel.make_mesh(devices=jax.devices()[:1])
@@ -226,5 +230,8 @@ def test_a_key_made_on_one_device_or_on_the_mesh_runs_one_program(setup):
     compiled = sampler._decode._cache_size()
     second = sampler.sample(params, CFG, prompt, mask, jax.device_put(
         key, parallel.replicated(mesh)), greedy)
+    warm = sampler.sample(params, CFG, prompt, mask, key,
+                          dataclasses.replace(greedy, temperature=0.7))
   assert sampler._decode._cache_size() == compiled
   np.testing.assert_array_equal(first.completion, second.completion)
+  assert (np.asarray(warm.completion) != np.asarray(first.completion)).any()
