@@ -142,7 +142,7 @@ def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
 def test_bench_length_buckets_smoke():
   result = _run("bench_length_buckets.py", "--preset=micro", "--rows=8",
                 "--width=16", "--prompt_len=4", "--long=12",
-                "--minibatches=2", "--epochs=1", "--buckets=2",
+                "--minibatches=1", "--epochs=1", "--buckets=2",
                 "--repeats=1")
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
