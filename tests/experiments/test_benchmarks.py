@@ -9,10 +9,10 @@ import sys
 from conftest import ROOT
 
 
-def _run(script, *args):
+def _run(script, *args, env=None):
   return subprocess.run([sys.executable, f"{ROOT}/experiments/{script}",
                          *args], capture_output=True, text=True, cwd=ROOT,
-                        timeout=300)
+                        timeout=300, env=env)
 
 
 def test_bench_step_smoke():
@@ -97,7 +97,8 @@ def test_bench_real_model_and_real_data_smoke(tmp_path):
 
 def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
                                                              data_dir,
-                                                             smoke_run):
+                                                             smoke_run,
+                                                             cached_env):
   """The benchmark's two runs, and its async one killed before its last
   checkpoint and re-run: the in-flight batch was checkpointed with the
   state, so it ends with the same parameters and metrics."""
@@ -105,7 +106,8 @@ def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
   out = tmp_path / "bench"
   result = _run("bench_async.py", "--steps=4", f"--out={out}",
                 f"--data_dir={data_dir}", f"--base={smoke_run[0]}",
-                "--variant=smoke", f"--json={tmp_path / 'async.json'}")
+                "--variant=smoke", f"--json={tmp_path / 'async.json'}",
+                env=cached_env)  # the re-run loads what the run compiled
   assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
   assert "ratio sync / async per step" in result.stdout.splitlines()[-1]
   figures = json.loads((tmp_path / "async.json").read_text())
@@ -128,7 +130,7 @@ def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
        "--config.train.eval_every=0", "--config.eval.num_prompts=8",
        "--config.checkpoint.every=2", "--config.mesh.cpu_devices=2",
        f"--config.data.data_dir={data_dir}"],
-      capture_output=True, text=True, cwd=ROOT, timeout=300)
+      capture_output=True, text=True, cwd=ROOT, timeout=300, env=cached_env)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert "resuming from step 2" in rerun.stdout + rerun.stderr
   assert json.loads((run / "summary.json").read_text())["params_sha256"] == (
