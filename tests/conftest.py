@@ -1,7 +1,8 @@
 """Test-wide setup: 8 fake CPU devices in the test processes so sharding
 tests exercise a real mesh layout, one small TFDS data dir, one
-persistent compilation cache for the session, XLA's optimisations off
-outside the real-model tier, and one thread per torch or BLAS call."""
+persistent compilation cache for the session, XLA's optimisations (and
+its MLIR fusion emitters) off outside the real-model tier, and one thread
+per torch or BLAS call."""
 
 import os
 import tempfile
@@ -20,6 +21,15 @@ if _OWN_CACHE:
 # of most tests (measured: tests/models/test_decoder.py 164 s against
 # 228 s); the real-model tier compiles as users do (test_real_model.py).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# And XLA:CPU's older elementwise emitters in place of its MLIR fusion
+# emitters, which cost about twice the compile time of these unoptimised
+# programs (measured: a smoke GRPO run's compiles 2.0 s against 3.9; the
+# suite 490 s against 640, tests/models/test_decoder.py 27 s against 57).
+# Inherited by the commands the tests start; the real-model tier's own
+# commands set XLA_FLAGS="" (XLA's defaults, as users run them).
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_cpu_use_fusion_emitters=false").strip()
 # Two xdist workers share the two cores: torch's (OpenMP) and BLAS's
 # default of a thread per core made each transformers generate 15x
 # slower while the other worker ran (measured 23 s against 1.6 s).

@@ -340,7 +340,10 @@ def test_refresh_does_not_change_a_dense_loss(loss):
   """Under a dense loss (``opd.loss=kl``, the exact KL under the current
   student, or ``topk``) without the gate, the refresh only changes the
   logged signal: an ablation row with ``reward_refresh`` alone equals plain
-  MOPD (``mopd.as_trained``)."""
+  MOPD (``mopd.as_trained``). The gradients are the same sums, though XLA
+  may fuse the two programs differently: equal to float32 reassociation
+  here (XLA:CPU's older emitters, conftest.py; bit-identical under its
+  defaults, as the imbalanced study's runs measured)."""
   student, teachers = _models()
   data = _batch(student, teachers, np.array([1, 0, 1, 0], np.int32))
   rl, opd_cfg = _sections(loss=loss)
@@ -354,7 +357,7 @@ def test_refresh_does_not_change_a_dense_loss(loss):
     out.append((loss, grad, metrics["signal"][0]))
   np.testing.assert_array_equal(out[0][0], out[1][0])
   for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-9)
   assert abs(float(out[0][2]) - float(out[1][2])) > 1e-3
 
 
