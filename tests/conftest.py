@@ -1,8 +1,8 @@
 """Test-wide setup: 8 fake CPU devices in the test processes so sharding
 tests exercise a real mesh layout, one small TFDS data dir, one
 persistent compilation cache for the session, XLA's optimisations (and
-its MLIR fusion emitters) off outside the real-model tier, and one thread
-per torch or BLAS call."""
+its MLIR fusion emitters) off except in the real-model tier's commands,
+and one thread per torch or BLAS call."""
 
 import os
 import tempfile
@@ -19,7 +19,8 @@ if _OWN_CACHE:
       prefix="mopd_jax_tests_xla_")
 # XLA's optimisation passes cost more than they save on the toy programs
 # of most tests (measured: tests/models/test_decoder.py 164 s against
-# 228 s); the real-model tier compiles as users do (test_real_model.py).
+# 228 s); the real-model tier's commands compile as users' do
+# (test_real_model.py).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # And XLA:CPU's older elementwise emitters in place of its MLIR fusion
 # emitters, which cost about twice the compile time of these unoptimised
