@@ -315,14 +315,17 @@ def sample_routed(student: Model, teachers: list[Teacher],
   return out
 
 
-def _dispatch(scorers, params, rows_per_teacher, arrays: dict, mesh
-              ) -> list:
+def _dispatch(scorers, params, rows_per_teacher, arrays: dict, mesh,
+              cut_columns: bool) -> list:
   """``(j, rows, result)``: teacher ``j`` scores the rows
-  ``rows_per_teacher[j]`` (padded, ``padded_rows``) on the completion
-  columns they reach (``batching.bucket_width``: a concise domain's
-  teacher does not score a long one's padding; attention is causal, so
-  the cut changes nothing), every pass dispatched before any result is
-  read (the next teacher's batch is prepared while this one scores)."""
+  ``rows_per_teacher[j]`` (padded, ``padded_rows``), every pass dispatched
+  before any result is read (the next teacher's batch is prepared while
+  this one scores). With ``cut_columns``, only on the completion columns
+  they reach (``batching.bucket_width``: a concise domain's teacher does
+  not score a long one's padding; attention is causal, so the cut changes
+  the scores only by float rounding: a shorter key axis sums in another
+  order); without, on the columns the student's loss reads, so that a
+  teacher equal to the student gives its log-probs bit for bit."""
   pending = []
   width = arrays["mask"].shape[1]
   for j, (scorer, p, rows) in enumerate(zip(scorers, params,
@@ -330,8 +333,8 @@ def _dispatch(scorers, params, rows_per_teacher, arrays: dict, mesh
     if not rows.size:
       continue
     idx = padded_rows(rows, mesh)
-    cut = batching.bucket_width(int(arrays["mask"][rows].sum(1).max()),
-                                width)
+    cut = (batching.bucket_width(int(arrays["mask"][rows].sum(1).max()),
+                                 width) if cut_columns else width)
     with parallel.activate(mesh):
       batch_in = parallel.shard_batch(mesh, dict(
           prompt=arrays["prompt"][idx], prompt_mask=arrays["prompt_mask"][idx],
@@ -364,16 +367,17 @@ def _gather(pending, shape, hidden_width: int, teachers: int | None
 
 
 def score(scorers, params, teacher_ids: np.ndarray, arrays: dict, mesh,
-          hidden_width: int = 0) -> dict:
+          hidden_width: int = 0, cut_columns: bool = False) -> dict:
   """Route, score and gather back: for each teacher ``j``, one forward pass
   over exactly the rows with ``teacher_ids == j`` (padded to a power of two
   of at least 8, and to the data-parallel size, so that few shapes
   compile); every teacher's pass is dispatched before the first result is
-  moved to host. Returns [B, T] arrays (and
-  ``teacher_hidden`` [B, T, hidden_width], zero-padded in the last axis)."""
+  moved to host; ``cut_columns`` as in ``_dispatch``. Returns [B, T]
+  arrays (and ``teacher_hidden`` [B, T, hidden_width], zero-padded in the
+  last axis)."""
   pending = _dispatch(scorers, params, [np.flatnonzero(teacher_ids == j)
                                        for j in range(len(scorers))],
-                      arrays, mesh)
+                      arrays, mesh, cut_columns)
   return _gather(pending, arrays["completion"].shape, hidden_width, None)
 
 
@@ -429,18 +433,21 @@ def stack_teachers(scorers, params) -> tuple | None:
 
 
 def score_every(scorers, params, arrays: dict, mesh, hidden_width: int = 0,
-                stacked: tuple | None = None) -> dict:
+                stacked: tuple | None = None, cut_columns: bool = False
+                ) -> dict:
   """Every teacher scores every row (a token router's input): [J, B, T]
   arrays (and ``teacher_hidden`` [J, B, T, hidden_width]); one pass per
   teacher, every pass dispatched before the first is read, or with
-  ``stacked`` (``stack_teachers``) one pass over all of them."""
+  ``stacked`` (``stack_teachers``) one pass over all of them;
+  ``cut_columns`` as in ``_dispatch``."""
   rows = np.arange(len(arrays["completion"]))
   if stacked is None:
-    pending = _dispatch(scorers, params, [rows] * len(scorers), arrays, mesh)
+    pending = _dispatch(scorers, params, [rows] * len(scorers), arrays, mesh,
+                        cut_columns)
   else:
     scorer, stacked_params = stacked
     (_, _, result), = _dispatch([scorer], [stacked_params], [rows], arrays,
-                                mesh)
+                                mesh, cut_columns)
     result = parallel.to_host(result)
     pending = [(j, rows, {k: np.asarray(v)[j] for k, v in result.items()})
                for j in range(len(scorers))]

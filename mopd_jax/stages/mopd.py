@@ -290,6 +290,11 @@ class MOPD:
         parallel.replicated(mesh))
     self.hidden_width = int(teacher_w.shape[1]) if wide else 0
     self.stacked = self._stack(opd_cfg.teacher_vmap)
+    # teachers score only the columns their rows reach where the student's
+    # update is cut by length too (a speed option, exact to float
+    # rounding); otherwise the student's columns, so that a teacher equal
+    # to the student scores exactly as it does (a KL of exactly 0)
+    self.cut_columns = config.rl.length_buckets > 1
     self.shared = (teacher_w,)
     self.mesh, self.model_cfg = mesh, model_cfg
     self.max_new_tokens = completion_budget(self.names,
@@ -378,13 +383,13 @@ class MOPD:
       teacher_ids = self.router.route(seq_ids)
       data.update(teachers.score(self.scorers, self.teacher_params,
                                  teacher_ids, data, self.teacher_mesh,
-                                 self.hidden_width))
+                                 self.hidden_width, self.cut_columns))
       data["teacher_id"] = np.broadcast_to(
           teacher_ids.astype(np.int32)[:, None], mask.shape).copy()
       return
     every = teachers.score_every(self.scorers, self.teacher_params, data,
                                  self.teacher_mesh, self.hidden_width,
-                                 self.stacked)
+                                 self.stacked, self.cut_columns)
     if self.router.needs_align:
       with parallel.activate(self.mesh):
         batch = parallel.shard_batch(self.mesh, {

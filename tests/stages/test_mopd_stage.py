@@ -460,7 +460,7 @@ def test_length_parts_take_the_whole_minibatchs_step(loss):
     data.update(teacher_lib.score(
         [teacher_lib.make_scorer((c,), (1.0,), True, True)
          for c, _ in teachers], [(p,) for _, p in teachers], ids, data,
-        mesh, max(c.embed_dim for c, _ in teachers)))
+        mesh, max(c.embed_dim for c, _ in teachers), cut_columns=True))
     data["teacher_id"] = np.broadcast_to(ids[:, None], mask.shape).copy()
     # teacher 0's rows are scored on 8 columns of 24: still its own scores
     lt = jax.nn.log_softmax(_teacher_logits(teachers, data), -1)
@@ -497,6 +497,46 @@ def test_length_parts_take_the_whole_minibatchs_step(loss):
   for k, pair in want_metrics.items():
     np.testing.assert_allclose(got_metrics[k], pair, rtol=2e-5, atol=2e-5,
                                err_msg=k)
+
+
+def test_the_student_as_its_own_routed_teachers_takes_no_step():
+  """Distilling a model from itself is a no-op, exactly: two routed
+  teachers equal to the student, rows of unequal lengths (teacher 0's
+  reach 5 of 48 columns), the full-vocabulary KL: the loss 0 and SGD's
+  step leaves every parameter as it was, bit for bit, because the
+  teachers score the columns the student's loss reads. (Scoring teacher
+  0's rows on the 8 columns they reach rounds differently: the loss is then
+  9.5e-7, float noise that Adam would scale up to whole steps.)"""
+  cfg = _cfg(64, 2)
+  params = decoder.init_params(cfg, jax.random.key(0))
+  prompts = ["add 12+7=", "sort dcba:", "rev xyz:", "add 3+4="] * 2
+  prompt, prompt_mask = batching.encode_prompts(prompts, TOK, 12)
+  sampling = sampler.SamplingConfig(max_new_tokens=48, stop_ids=())
+  rollout = sampler.sample(params, cfg, prompt, prompt_mask,
+                           jax.random.key(3), sampling)
+  lengths = np.array([1, 48, 3, 17, 5, 30, 2, 12])
+  mask = (np.arange(48) < lengths[:, None]).astype(np.int32)
+  data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
+              completion=np.asarray(rollout.completion), mask=mask,
+              old_logp=np.asarray(rollout.logprobs) * mask,
+              advantages=np.zeros(8, np.float32),
+              keep=np.ones(8, np.float32), weight=np.ones(8, np.float32))
+  mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1,
+                            devices=jax.devices()[:1])
+  ids = np.array([0, 1] * 4, np.int32)
+  scorer = teacher_lib.make_scorer((cfg,), (1.0,), False, True)
+  data.update(teacher_lib.score([scorer] * 2, [(params,)] * 2, ids, data,
+                                mesh, cfg.embed_dim))
+  data["teacher_id"] = np.broadcast_to(ids[:, None], mask.shape).copy()
+  rl, opd_cfg = _sections(loss="kl")
+  loss_fn = opd.make_loss(cfg, sampling, rl, opd_cfg, False, OPS)
+  shared = (_teacher_w([(cfg, params)] * 2),)
+  update = on_policy.make_update(loss_fn, optax.sgd(1.0))
+  train = dict(params=jax.tree.map(jnp.copy, params))
+  train["opt_state"] = optax.sgd(1.0).init(train["params"])
+  train, metrics = update(train, [data], *shared)
+  assert float(metrics["loss"][0]) == 0.0, metrics["loss"]
+  jax.tree.map(np.testing.assert_array_equal, train["params"], params)
 
 
 @pytest.mark.parametrize("extra", [
