@@ -154,9 +154,12 @@ def _decode(params, cfgs: tuple[ModelConfig, ...], sampling: SamplingConfig,
   # (measured: decode 55.4 -> 45.3 s for SmolLM2-135M at batch 64). Not on
   # accelerators: unmeasured there, and the copy would double the
   # parameters' share of device memory while sampling.
-  if jax.default_backend() == "cpu":
+  # The same for the cache (``decoder.unstack_cache``).
+  unstacked = jax.default_backend() == "cpu"
+  if unstacked:
     params = tuple(decoder.unstack_layers(p, c.num_layers)
                    for p, c in zip(params, cfgs))
+    caches = tuple(decoder.unstack_cache(c) for c in caches)
   batch = last_logits[0].shape[0]
   n = sampling.max_new_tokens
   out = jnp.full((batch, n), sampling.pad_id, jnp.int32)
@@ -191,9 +194,12 @@ def _decode(params, cfgs: tuple[ModelConfig, ...], sampling: SamplingConfig,
             mask, key)
 
   state = jax.lax.while_loop(cond, body, state)
+  caches = state[1]
+  if unstacked:
+    caches = tuple(decoder.stack_cache(c) for c in caches)
   # The caches are returned so that their donated input buffers are reused
   # in place.
-  return Rollout(state[5], state[6], state[7]), state[1]
+  return Rollout(state[5], state[6], state[7]), caches
 
 
 def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,

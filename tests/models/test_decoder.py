@@ -99,8 +99,11 @@ def test_matches_numpy_reference(name):
   np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("unstacked", [False, True])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_prefill_then_decode_equals_full_forward(name):
+def test_prefill_then_decode_equals_full_forward(name, unstacked):
+  """Also with the sampler's CPU layout: the decode steps on unstacked
+  layers and a buffer per layer (``unstack_cache``)."""
   cfg = VARIANTS[name]
   params = _random_params(cfg)
   B, T, split = 3, 12, 5
@@ -113,6 +116,9 @@ def test_prefill_then_decode_equals_full_forward(name):
   out, cache = decoder.apply(params, cfg, tokens[:, :split],
                              segments[:, :split], positions[:, :split], cache)
   steps = [out]
+  if unstacked:
+    params = decoder.unstack_layers(params, cfg.num_layers)
+    cache = decoder.unstack_cache(cache)
   for t in range(split, T):
     out, cache = decoder.apply(params, cfg, tokens[:, t:t + 1],
                                segments[:, t:t + 1], positions[:, t:t + 1],
@@ -123,6 +129,7 @@ def test_prefill_then_decode_equals_full_forward(name):
   np.testing.assert_allclose(np.asarray(incremental)[valid],
                              np.asarray(full)[valid], atol=1e-5)
   assert int(cache.index) == T
+  assert isinstance(cache.k, tuple) == unstacked
 
 
 def test_left_padding_and_packing_do_not_change_logits():
