@@ -422,6 +422,22 @@ def test_distillation_closes_the_gap_to_a_teacher():
   assert np.mean(curve[-3:]) < 0.5 * np.mean(curve[:3]), curve
 
 
+def _rows_of_lengths(cfg, params, lengths):
+  """``(sampling, data, logprobs)``: 8 rows sampled from ``params`` with
+  no stop token, their completions masked to ``lengths`` (the widest
+  reaches ``max(lengths)`` columns, the sampling budget)."""
+  width = max(lengths)
+  sampling = sampler.SamplingConfig(max_new_tokens=width, stop_ids=())
+  prompts = ["add 12+7=", "sort dcba:", "rev xyz:", "add 3+4="] * 2
+  prompt, prompt_mask = batching.encode_prompts(prompts, TOK, 12)
+  rollout = sampler.sample(params, cfg, prompt, prompt_mask,
+                           jax.random.key(3), sampling)
+  mask = (np.arange(width) < np.array(lengths)[:, None]).astype(np.int32)
+  data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
+              completion=np.asarray(rollout.completion), mask=mask)
+  return sampling, data, np.asarray(rollout.logprobs)
+
+
 @pytest.mark.parametrize("loss", ["grpo", "kl"])
 def test_length_parts_take_the_whole_minibatchs_step(loss):
   """``rl.length_buckets``: the rows sorted by length in 4 parts, each cut
@@ -431,19 +447,13 @@ def test_length_parts_take_the_whole_minibatchs_step(loss):
   and the full-vocabulary KL of two routed teachers (their hidden states
   cut with the rest; the teacher of the short rows scores only the columns
   they reach, and its scores are still its full logits')."""
-  sampling = sampler.SamplingConfig(max_new_tokens=24, stop_ids=())
   (cfg, params), teachers = _models()
-  prompts = ["add 12+7=", "sort dcba:", "rev xyz:", "add 3+4="] * 2
-  prompt, prompt_mask = batching.encode_prompts(prompts, TOK, 12)
-  rollout = sampler.sample(params, cfg, prompt, prompt_mask,
-                           jax.random.key(3), sampling)
-  lengths = np.array([1, 24, 3, 17, 5, 9, 2, 12])
-  mask = (np.arange(24) < lengths[:, None]).astype(np.int32)
+  sampling, data, logprobs = _rows_of_lengths(cfg, params,
+                                              [1, 24, 3, 17, 5, 9, 2, 12])
+  mask = data["mask"]
   rng = np.random.default_rng(0)
-  data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
-              completion=np.asarray(rollout.completion), mask=mask,
-              # pi_old off the current policy, so that some ratios clip
-              old_logp=np.asarray(rollout.logprobs)
+  # pi_old off the current policy, so that some ratios clip
+  data.update(old_logp=logprobs
               + rng.normal(0, 0.3, mask.shape).astype(np.float32),
               advantages=rng.normal(size=8).astype(np.float32),
               keep=np.ones(8, np.float32),
@@ -509,17 +519,10 @@ def test_the_student_as_its_own_routed_teachers_takes_no_step():
   9.5e-7, float noise that Adam would scale up to whole steps.)"""
   cfg = _cfg(64, 2)
   params = decoder.init_params(cfg, jax.random.key(0))
-  prompts = ["add 12+7=", "sort dcba:", "rev xyz:", "add 3+4="] * 2
-  prompt, prompt_mask = batching.encode_prompts(prompts, TOK, 12)
-  sampling = sampler.SamplingConfig(max_new_tokens=48, stop_ids=())
-  rollout = sampler.sample(params, cfg, prompt, prompt_mask,
-                           jax.random.key(3), sampling)
-  lengths = np.array([1, 48, 3, 17, 5, 30, 2, 12])
-  mask = (np.arange(48) < lengths[:, None]).astype(np.int32)
-  data = dict(prompt=np.asarray(prompt), prompt_mask=np.asarray(prompt_mask),
-              completion=np.asarray(rollout.completion), mask=mask,
-              old_logp=np.asarray(rollout.logprobs) * mask,
-              advantages=np.zeros(8, np.float32),
+  sampling, data, logprobs = _rows_of_lengths(cfg, params,
+                                              [1, 48, 3, 17, 5, 30, 2, 12])
+  mask = data["mask"]
+  data.update(old_logp=logprobs * mask, advantages=np.zeros(8, np.float32),
               keep=np.ones(8, np.float32), weight=np.ones(8, np.float32))
   mesh = parallel.make_mesh(data=1, fsdp=1, tensor=1,
                             devices=jax.devices()[:1])
