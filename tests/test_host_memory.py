@@ -1,0 +1,49 @@
+"""host_memory: the memory XLA:CPU frees is reused, not faulted in afresh."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mopd_jax import host_memory
+
+# A program whose 64 MiB output is freed after every call; prints the page
+# faults per page of output per call, after warm-up calls.
+PROBE = """
+import resource
+import mopd_jax
+import jax, jax.numpy as jnp
+x = jnp.ones((16 * 2**20,), jnp.float32)
+f = jax.jit(jnp.cumsum)
+for _ in range(5):
+  f(x).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+  f(x).block_until_ready()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+print((after - before) / 10 / (x.nbytes // 4096))
+"""
+
+
+def faults_per_page(**env) -> float:
+  out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True,
+                       text=True, check=True, env={**os.environ, **env})
+  return float(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="glibc's allocator")
+def test_freed_buffers_are_reused_unless_the_user_set_glibc():
+  # measured: 0.32 with the setting, 2.07 without (output and scratch
+  # mapped afresh at every call)
+  assert faults_per_page() < 0.75
+  assert faults_per_page(GLIBC_TUNABLES="glibc.malloc.check=0") > 1.5
+
+
+@pytest.mark.parametrize("platforms, expected", [
+    ("cpu", True), ("cpu,cuda", True), ("cuda", False), ("tpu,cpu", False)])
+def test_only_where_the_cpu_will_be_the_backend(monkeypatch, platforms,
+                                                expected):
+  monkeypatch.setenv("JAX_PLATFORMS", platforms)
+  assert host_memory.cpu_backend_expected() is expected
