@@ -5,7 +5,7 @@ and frees it when the execution ends. glibc hands blocks over 32 MiB, and
 any large block of a thread's own arena, to ``mmap`` and returns them with
 ``munmap``, so every step of a program with a large scratch buffer (the
 built-in pretraining step's is 670 MiB) faulted its pages in afresh:
-1.8 million page faults a minute, a quarter of the CPU time in the kernel,
+176,000 page faults a second, a fifth of the CPU time in the kernel,
 and the two cores' threads waiting on each other's faults.
 ``keep_freed_memory`` has every thread allocate from the main heap
 (``M_ARENA_MAX`` 1), never by ``mmap`` (``M_MMAP_MAX`` 0), and gives freed
