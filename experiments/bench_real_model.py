@@ -15,7 +15,10 @@ Prints, each against its baseline in this one run:
   split into prefill and decode;
 * **a train step**: our jitted policy-gradient step (forward, backward,
   AdamW) against a plain torch forward/backward/AdamW step of the same
-  model on the same ``--train_rows`` x (prompt + ``--new``) tokens;
+  model on the same ``--train_rows`` x (prompt + ``--new``) tokens; both
+  project only the completion's positions onto the vocabulary, as a GRPO
+  or MOPD update does (ours ``sampler.completion_hidden``, torch
+  ``logits_to_keep`` as TRL's trainers call it);
 * with ``--attention_chunk=N``, both of those also with our blocked
   attention (``model.attention_chunk``: keys in blocks of ``N``, flash
   attention's backward pass), in the same interleaved rounds;
@@ -124,46 +127,55 @@ def their_generate(model, ids, mask, new: int):
 
 def our_train_step(cfg, params, tokens, prompt_len: int):
   """A jitted step: ``-mean log pi(y_t)`` over the completion tokens
-  (the policy-gradient loss with unit advantages), its gradient, AdamW."""
+  (the policy-gradient loss with unit advantages), its gradient, AdamW;
+  the vocabulary op over the completion's positions only."""
   import jax
   import jax.numpy as jnp
   import optax
   from mopd_jax.models import decoder
   from mopd_jax.ops import vocab
+  from mopd_jax.rollout import sampler
   optimizer = optax.adamw(1e-6)
   state = [params, optimizer.init(params)]
-  segments = jnp.ones_like(tokens)
-  mask = jnp.zeros(tokens.shape, jnp.int32).at[:, prompt_len:].set(1)[:, 1:]
+  prompt, completion = jnp.split(jnp.asarray(tokens), [prompt_len], axis=1)
+  ones = (jnp.ones_like(prompt), jnp.ones_like(completion))
 
   @jax.jit
   def step(params, opt):
     def loss_fn(p):
-      h, _ = decoder.hidden_states(p, cfg, tokens, segments)
-      lp = vocab.token_logprobs(h[:, :-1], decoder.output_weight(p, cfg),
-                                tokens[:, 1:], mask=mask)
-      return -jnp.sum(lp * mask) / jnp.sum(mask)
+      h = sampler.completion_hidden(p, cfg, prompt, ones[0], completion,
+                                    ones[1])
+      return -jnp.mean(vocab.token_logprobs(
+          h, decoder.output_weight(p, cfg), completion))
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt = optimizer.update(grads, opt, params)
     return optax.apply_updates(params, updates), opt, loss
 
   def run():
     state[0], state[1], loss = step(*state)
-    jax.block_until_ready(loss)
+    run.losses.append(float(loss))
+  run.losses = []
   return run
 
 
 def their_train_step(model, tokens, prompt_len: int):
+  """The same step in torch: logits at the completion's positions only
+  (``logits_to_keep``), the mean cross-entropy, backward, AdamW."""
   import torch
   ids = torch.from_numpy(np.asarray(tokens)).long()
-  labels = ids.clone()
-  labels[:, :prompt_len] = -100
+  completion = ids[:, prompt_len:]
   optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
   def run():
     optimizer.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=labels).loss
+    logits = model(input_ids=ids,
+                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), completion.reshape(-1))
     loss.backward()
     optimizer.step()
+    run.losses.append(float(loss))
+  run.losses = []
   return run
 
 
@@ -307,11 +319,15 @@ def main(argv=None):
       completions = np.random.default_rng(3).integers(
           3, tok.vocab_size, (args.train_rows, args.new), dtype=np.int32)
       tokens = np.concatenate([prompts, completions], axis=1)
-      *ours_s, theirs_s = interleaved(
-          [our_train_step(c, params, tokens, prompt_len)
-           for c in ours_cfgs.values()]
-          + [their_train_step(model.train(), tokens, prompt_len)],
-          args.repeats)
+      steps = ([our_train_step(c, params, tokens, prompt_len)
+                for c in ours_cfgs.values()]
+               + [their_train_step(model.train(), tokens, prompt_len)])
+      *ours_s, theirs_s = interleaved(steps, args.repeats)
+      # the same loss on the same weights (the warm-up calls): the two
+      # sides compute one step
+      first = [fn.losses[0] for fn in steps]
+      if max(first) - min(first) > 1e-3 * abs(first[-1]):
+        raise SystemExit(f"the train steps' losses differ: {first}")
       n = tokens.size
       for key, mine in zip(ours_cfgs, ours_s):
         figures[f"train_step{key}"] = row = dict(
