@@ -118,11 +118,43 @@ def trust_region_blend(student_logp: jax.Array, teacher_logp: jax.Array,
   return blend(jnp.where(delta > 0, beta, 0.0)[..., None])
 
 
+DRAW_BLOCK = 256
+
+
+def draw(key, z, block: int = DRAW_BLOCK):
+  """A token per row of the logits ``z`` [..., V], drawn from
+  ``p = softmax(z)`` by the inverse of its cumulative distribution, in
+  two levels: with one ``u ~ U(0, 1]`` a row, the vocabulary in blocks of
+  ``block`` with sums ``S_b`` and the target ``u * sum_b S_b``, the block
+  ``j`` is the first whose cumulative sum reaches the target and the token
+  the first of block ``j`` whose cumulative sum reaches what is left of
+  it. The same distribution as ``jax.random.categorical`` (which draws a
+  Gumbel number for every entry of the vocabulary: 57-88 ms at [64,
+  49152] on a 2-core CPU, against 3.5 ms for this), another token for
+  the same key. A token of probability 0 (top-k, top-p, padding) is never
+  drawn: the float rounding between the two levels' sums can only move
+  the draw to the block's last token of positive probability."""
+  *lead, V = z.shape
+  n = -(-V // block)
+  z = jnp.pad(z.reshape(-1, V), ((0, 0), (0, n * block - V)),
+              constant_values=-jnp.inf)
+  p = jax.nn.softmax(z, axis=-1).reshape(-1, n, block)
+  blocks = jnp.cumsum(p.sum(-1), axis=-1)  # [R, n]
+  u = 1.0 - jax.random.uniform(key, (p.shape[0], 1))  # (0, 1]
+  target = u * blocks[:, -1:]
+  j = jnp.minimum(jnp.sum(blocks < target, axis=-1), n - 1)
+  before = jnp.where(j > 0, jnp.take_along_axis(
+      blocks, jnp.maximum(j - 1, 0)[:, None], axis=1)[:, 0], 0.0)
+  inside = jnp.take_along_axis(p, j[:, None, None], axis=1)[:, 0]  # [R, b]
+  i = jnp.sum(jnp.cumsum(inside, -1) < (target[:, 0] - before)[:, None], -1)
+  last = block - 1 - jnp.argmax((inside > 0)[:, ::-1], axis=-1)
+  return (j * block + jnp.minimum(i, last)).reshape(lead)
+
+
 def _choose(z, key, temperature):
   """A token from the policy logits ``z`` and its log-prob under them:
-  drawn, or the most likely at ``temperature`` 0."""
-  token = jax.lax.cond(temperature > 0,
-                       lambda: jax.random.categorical(key, z, axis=-1),
+  drawn (``draw``), or the most likely at ``temperature`` 0."""
+  token = jax.lax.cond(temperature > 0, lambda: draw(key, z),
                        lambda: jnp.argmax(z, axis=-1))
   return token.astype(jnp.int32), token_logprobs(z, token)
 

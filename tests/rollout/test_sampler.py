@@ -114,6 +114,36 @@ def test_policy_logits_top_k_and_top_p_against_numpy():
     assert set(np.flatnonzero(np.isfinite(row))) == expect
 
 
+@pytest.mark.parametrize("vocab,block", [(600, 256), (58, 256), (49, 8)])
+def test_draw_matches_the_softmax_frequencies_and_skips_impossible_tokens(
+    vocab, block):
+  """``draw`` against numpy's softmax: over 256 keys x 64 rows, every
+  token's frequency within 5 standard errors of its probability (the
+  vocabulary a multiple of the block or not, smaller than one block), and
+  the tokens masked to -inf (as top-k leaves them) never drawn."""
+  rng = np.random.default_rng(vocab)
+  logits = rng.normal(size=vocab).astype(np.float32) * 2
+  logits[rng.choice(vocab, vocab // 3, replace=False)] = -np.inf
+  p = np.exp(logits - logits[np.isfinite(logits)].max())
+  p /= p.sum()
+  z = jnp.asarray(np.repeat(logits[None], 64, 0))
+  fn = jax.jit(lambda k: sampler.draw(k, z, block))
+  tokens = np.concatenate([np.asarray(fn(k)) for k in
+                           jax.random.split(jax.random.key(0), 256)])
+  n = tokens.size
+  freq = np.bincount(tokens, minlength=vocab) / n
+  assert freq.shape == (vocab,)  # never a padding index
+  assert freq[p == 0].sum() == 0
+  bound = 5 * np.sqrt(p * (1 - p) / n) + 1 / n
+  assert np.all(np.abs(freq - p) <= bound), np.max(np.abs(freq - p) / bound)
+
+
+def test_draw_keeps_the_leading_shape_and_a_certain_token():
+  z = jnp.full((2, 3, 300), -jnp.inf).at[..., 257].set(0.0)
+  tokens = sampler.draw(jax.random.key(1), z)
+  assert tokens.shape == (2, 3) and np.all(np.asarray(tokens) == 257)
+
+
 def test_greedy_takes_argmax(setup):
   params, prompt, mask = setup
   sampling = SETTINGS[2]
