@@ -136,7 +136,10 @@ def draw(key, z, block: int = DRAW_BLOCK):
   the draw to the block's last token of positive probability."""
   *lead, V = z.shape
   n = -(-V // block)
-  z = jnp.pad(z.reshape(-1, V), ((0, 0), (0, n * block - V)),
+  # float32 sums whatever the logits' dtype (bfloat16's 8 bits would bias
+  # a block's cumulative sum)
+  z = jnp.pad(z.reshape(-1, V).astype(jnp.float32),
+              ((0, 0), (0, n * block - V)),
               constant_values=-jnp.inf)
   p = jax.nn.softmax(z, axis=-1).reshape(-1, n, block)
   blocks = jnp.cumsum(p.sum(-1), axis=-1)  # [R, n]

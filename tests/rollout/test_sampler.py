@@ -140,8 +140,9 @@ def test_draw_matches_the_softmax_frequencies_and_skips_impossible_tokens(
 
 def test_draw_keeps_the_leading_shape_and_a_certain_token():
   z = jnp.full((2, 3, 300), -jnp.inf).at[..., 257].set(0.0)
-  tokens = sampler.draw(jax.random.key(1), z)
-  assert tokens.shape == (2, 3) and np.all(np.asarray(tokens) == 257)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    tokens = sampler.draw(jax.random.key(1), z.astype(dtype))
+    assert tokens.shape == (2, 3) and np.all(np.asarray(tokens) == 257)
 
 
 def test_greedy_takes_argmax(setup):
