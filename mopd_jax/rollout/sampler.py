@@ -142,16 +142,16 @@ def draw(key, z, block: int = DRAW_BLOCK):
               ((0, 0), (0, n * block - V)),
               constant_values=-jnp.inf)
   p = jax.nn.softmax(z, axis=-1).reshape(-1, n, block)
-  blocks = jnp.cumsum(p.sum(-1), axis=-1)  # [R, n]
+  sums = p.sum(-1)
+  ends = jnp.cumsum(sums, axis=-1)  # [R, n]
   u = 1.0 - jax.random.uniform(key, (p.shape[0], 1))  # (0, 1]
-  target = u * blocks[:, -1:]
-  j = jnp.minimum(jnp.sum(blocks < target, axis=-1), n - 1)
-  before = jnp.where(j > 0, jnp.take_along_axis(
-      blocks, jnp.maximum(j - 1, 0)[:, None], axis=1)[:, 0], 0.0)
-  inside = jnp.take_along_axis(p, j[:, None, None], axis=1)[:, 0]  # [R, b]
-  i = jnp.sum(jnp.cumsum(inside, -1) < (target[:, 0] - before)[:, None], -1)
+  target = u * ends[:, -1:]
+  j = jnp.minimum(jnp.sum(ends < target, axis=-1), n - 1)[:, None]
+  left = target - jnp.take_along_axis(ends - sums, j, axis=1)  # [R, 1]
+  inside = jnp.take_along_axis(p, j[..., None], axis=1)[:, 0]  # [R, b]
+  i = jnp.sum(jnp.cumsum(inside, -1) < left, -1)
   last = block - 1 - jnp.argmax((inside > 0)[:, ::-1], axis=-1)
-  return (j * block + jnp.minimum(i, last)).reshape(lead)
+  return (j[:, 0] * block + jnp.minimum(i, last)).reshape(lead)
 
 
 def _choose(z, key, temperature):
