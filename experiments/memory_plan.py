@@ -98,11 +98,14 @@ def plan(cfg, axis_sizes: dict, teachers: int, rollout_batch: int,
   one_layer = (
       4 * _bytes(axis_sizes, bt + ("embed",), (B, T, D), a_size)
       + 2 * _bytes(axis_sizes, bth, (B, T, H, Dh), a_size)
-      + 2 * _bytes(axis_sizes, decoder.KV_AXES, (B, K, T, Dh), a_size)
+      + _bytes(axis_sizes, decoder.KEY_AXES, (B, K, Dh, T), a_size)
+      + _bytes(axis_sizes, decoder.VALUE_AXES, (B, K, T, Dh), a_size)
       + 3 * _bytes(axis_sizes, bt + ("mlp",), (B, T, F), a_size) + scores)
   residual = _bytes(axis_sizes, bt + ("embed",), (B, T, D), a_size)
-  kv = 2 * _bytes(axis_sizes, ("layers",) + decoder.KV_AXES,
-                  (L, rollout_batch, K, length, Dh), a_size)
+  kv = (_bytes(axis_sizes, ("layers",) + decoder.KEY_AXES,
+               (L, rollout_batch, K, Dh, length), a_size)
+        + _bytes(axis_sizes, ("layers",) + decoder.VALUE_AXES,
+                 (L, rollout_batch, K, length, Dh), a_size))
   act = L * residual + one_layer if remat else L * one_layer
   return dict(params=params(p_size), adam=params(8), grads=params(p_size),
               teachers=teachers * params(a_size), kv=kv,

@@ -34,19 +34,26 @@ class KVCache(NamedTuple):
   """Keys/values of every layer, the segment id of each slot, next free slot.
 
   Heads come before slots, so that attention reads each (row, head) as one
-  contiguous [slots, head_dim] matrix: a batched matmul with no transpose of
-  the cache at every decode step. Stacked over layers, or, beside unstacked
-  layers (``unstack_cache``), one buffer per layer."""
-  # [layers, batch, kv_heads, slots, head_dim], or a tuple of layers'
-  # [batch, kv_heads, slots, head_dim]
+  contiguous matrix, and keys are stored transposed ([head_dim, slots]),
+  values not ([slots, head_dim]): both products, ``q k^T`` and ``p v``, are
+  then plain ``[rows, n] x [n, m]`` matmuls, with no transpose of the cache
+  at every decode step (XLA:CPU's dot packs a transposed operand afresh at
+  each call: at SmolLM2-135M's batch 64 the scores took 3.2 ms of a
+  layer's 8.5 with keys as [slots, head_dim], docs/performance.md).
+  Stacked over layers, or, beside unstacked layers (``unstack_cache``),
+  one buffer per layer."""
+  # keys [layers, batch, kv_heads, head_dim, slots], values [layers, batch,
+  # kv_heads, slots, head_dim], or tuples of the layers' buffers
   k: jax.Array | tuple
   v: jax.Array | tuple
   segment_ids: jax.Array  # [batch, slots]; 0 marks an empty or padding slot
   index: jax.Array  # int32 scalar: slot of the next token written
 
 
-# Logical axes of one layer's cache keys/values (slots count as ``length``).
-KV_AXES = ("batch", "kv_heads", "length", "head_dim")
+# Logical axes of one layer's cached keys and values (slots count as
+# ``length``): keys transposed (``KVCache``).
+KEY_AXES = ("batch", "kv_heads", "head_dim", "length")
+VALUE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 def _box(value, names):
@@ -186,7 +193,9 @@ def _ungrouped(out, T):
 
 
 def attend(q, k, v, span: Span, chunk: int = 0, filled=None):
-  """``softmax(q k^T / sqrt(d) + mask) v`` (``attention_mask`` of ``span``):
+  """``softmax(q k^T / sqrt(d) + mask) v`` (``attention_mask`` of ``span``)
+  of queries ``q`` [B, T, H, d] over keys ``k`` [B, K, d, S] (transposed,
+  as the cache holds them) and values ``v`` [B, K, S, d]:
   with ``chunk`` 0 over all keys at once (``_attend``), else over blocks of
   ``chunk`` keys with an online softmax that never holds more than one
   block's scores and whose backward pass keeps memory linear in the
@@ -194,7 +203,7 @@ def attend(q, k, v, span: Span, chunk: int = 0, filled=None):
   ``filled`` (decoding from a cache, no gradient): the number of slots
   written so far; blocked attention then reads only the blocks that hold
   them (``_attend_filled``), not the empty rest of the cache."""
-  if chunk <= 0 or k.shape[2] <= chunk:
+  if chunk <= 0 or v.shape[2] <= chunk:
     return _attend(q, k, v, attention_mask(*span))
   if filled is not None:
     return _attend_filled(q, k, v, span, chunk, filled)
@@ -209,8 +218,8 @@ def _online_block(carry, qg, kj, vj, mask):
       m' = max(m, max s_j),  c = exp(m - m'),
       l' = c l + sum exp(s_j - m'),  o' = c o + exp(s_j - m') v_j
 
-  ``qg``: grouped queries [B, K, G*T, d]; ``kj``, ``vj``: [B, K, c, d];
-  ``mask``: [B, T, c]."""
+  ``qg``: grouped queries [B, K, G*T, d]; ``kj``: [B, K, d, c]; ``vj``:
+  [B, K, c, d]; ``mask``: [B, T, c]."""
   m, l, o = carry
   s = _block_scores(qg, kj, mask)
   m_new = jnp.maximum(m, s.max(-1))
@@ -237,15 +246,16 @@ def _online_result(carry, v, T):
 def _key_blocks(k, v, span: Span, chunk: int):
   """Keys, values and their segment ids and slots as ``ceil(S / chunk)``
   blocks along a leading axis, padded with segment 0 (never attended)."""
-  B, K, S, d = k.shape
+  B, K, S, d = v.shape
   n = -(-S // chunk)
   pad = n * chunk - S
 
-  def split(x):
-    return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
-        B, K, n, chunk, d).transpose(2, 0, 1, 3, 4)
+  def split(x, axis):  # the slots' axis of x [B, K, ., .]
+    x = jnp.pad(x, [(0, pad) if i == axis else (0, 0) for i in range(4)])
+    x = x.reshape(x.shape[:axis] + (n, chunk) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
 
-  return (split(k), split(v),
+  return (split(k, 3), split(v, 2),
           jnp.pad(span.kv_segments, ((0, 0), (0, pad))).reshape(
               B, n, chunk).transpose(1, 0, 2),
           jnp.pad(span.kv_slots, (0, pad)).reshape(n, chunk))
@@ -261,8 +271,9 @@ def _masked(x, mask, fill):
 
 
 def _block_scores(qg, kj, mask):
-  """``s_j = q k_j^T / sqrt(d)``, masked to -1e30: [B, K, G*T, c]."""
-  s = jnp.einsum("bkrd,bksd->bkrs", qg, kj,
+  """``s_j = q k_j^T / sqrt(d)`` (``kj`` transposed, [B, K, d, c]), masked
+  to -1e30: [B, K, G*T, c]."""
+  s = jnp.einsum("bkrd,bkds->bkrs", qg, kj,
                  preferred_element_type=jnp.float32) * qg.shape[-1] ** -0.5
   return _masked(s, mask, -1e30)
 
@@ -299,7 +310,7 @@ def _chunked_backward(chunk, saved, grad):
       dV_j = P_j^T dO,  dS_j = P_j * (dO V_j^T - D)  (0 where masked),
       dQ = sum_j dS_j K_j / sqrt(d),  dK_j = dS_j^T Q / sqrt(d)."""
   q, k, v, span, out, m, l = saved
-  T, K, S, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
+  T, K, S, d = q.shape[1], v.shape[1], v.shape[2], q.shape[3]
   f32 = jnp.float32
   # Matmul operands stay in the inputs' dtype (bfloat16 on accelerators),
   # accumulated in float32, as in the forward pass.
@@ -315,20 +326,21 @@ def _chunked_backward(chunk, saved, grad):
     dp = jnp.einsum("bkrd,bksd->bkrs", dout, vj, preferred_element_type=f32)
     ds = _masked(p * (dp - rowsum[..., None]), mask, 0.0) * d ** -0.5
     ds = ds.astype(q.dtype)
-    return (dq + jnp.einsum("bkrs,bksd->bkrd", ds, kj,
+    return (dq + jnp.einsum("bkrs,bkds->bkrd", ds, kj,
                             preferred_element_type=f32),
-            (jnp.einsum("bkrs,bkrd->bksd", ds, qg,
+            (jnp.einsum("bkrs,bkrd->bkds", ds, qg,
                         preferred_element_type=f32), dv))
 
   dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, f32),
                               _key_blocks(k, v, span, chunk))
 
-  def unblock(x):
-    n, B, _, c, _ = x.shape
-    return x.transpose(1, 2, 0, 3, 4).reshape(B, K, n * c, d)[:, :, :S]
+  def unblock(x, axis):  # the inverse of _key_blocks' split
+    x = jnp.moveaxis(x, 0, axis)
+    x = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+    return jax.lax.slice_in_dim(x, 0, S, axis=axis)
 
-  return (_ungrouped(dq, T).astype(q.dtype), unblock(dk).astype(k.dtype),
-          unblock(dv).astype(v.dtype), None)
+  return (_ungrouped(dq, T).astype(q.dtype), unblock(dk, 3).astype(k.dtype),
+          unblock(dv, 2).astype(v.dtype), None)
 
 
 _attend_chunked.defvjp(
@@ -341,7 +353,7 @@ def _attend_filled(q, k, v, span: Span, chunk: int, filled):
   cache of ``S >= chunk`` slots only (a loop whose length is traced, so
   forward only). The last block may start before ``j * chunk`` to stay
   inside the cache; its slots already seen are masked (segment 0)."""
-  T, K, S = q.shape[1], k.shape[1], k.shape[2]
+  T, K, S = q.shape[1], v.shape[1], v.shape[2]
   qg = _grouped(q, K)
 
   def body(j, carry):
@@ -351,7 +363,7 @@ def _attend_filled(q, k, v, span: Span, chunk: int, filled):
     seg = jnp.where(slots >= j * chunk, seg, 0)
     mask = attention_mask(span.q_segments, span.q_slots, seg, slots)
     return _online_block(
-        carry, qg, jax.lax.dynamic_slice_in_dim(k, start, chunk, 2),
+        carry, qg, jax.lax.dynamic_slice_in_dim(k, start, chunk, 3),
         jax.lax.dynamic_slice_in_dim(v, start, chunk, 2), mask)
 
   carry = jax.lax.fori_loop(0, (filled + chunk - 1) // chunk, body,
@@ -360,7 +372,8 @@ def _attend_filled(q, k, v, span: Span, chunk: int, filled):
 
 
 def _attend(q, k, v, mask):
-  """Grouped-query softmax attention; q: [B,T,H,d], k/v: [B,K,S,d].
+  """Grouped-query softmax attention; q: [B,T,H,d], k: [B,K,d,S] (keys
+  transposed), v: [B,K,S,d].
 
   ``softmax(q k^T / sqrt(d) + mask) v`` with each group of G = H/K query
   heads sharing one key/value head. The G heads' T queries are the rows
@@ -369,7 +382,7 @@ def _attend(q, k, v, mask):
   T and G apart, at T=1 and T=72). Masked scores get a large finite negative so a fully
   masked (padding) row stays finite.
   """
-  scores = _block_scores(_grouped(q, k.shape[1]), k, mask)
+  scores = _block_scores(_grouped(q, v.shape[1]), k, mask)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   return _ungrouped(jnp.einsum("bkrs,bksd->bkrd", probs, v), q.shape[1])
 
@@ -409,17 +422,36 @@ def project(x, w, n_in: int):
   return y.reshape(B, T, *w.shape[n_in:])
 
 
+def _cache_write(kv_cache, k, v, index):
+  """``(keys, values, kv_cache)``: this layer's new keys [B, K, d, T] and
+  values [B, K, T, d] written at slot ``index`` of ``kv_cache`` (``_layer``
+  says which form), and the layer's whole keys and values to attend over."""
+  k_cache, v_cache, layer = kv_cache
+  writes = ((k_cache, k, KEY_AXES, (0, 0, 0, index)),
+            (v_cache, v, VALUE_AXES, (0, 0, index, 0)))
+  if layer is None:
+    k_all, v_all = (
+        parallel.constrain(jax.lax.dynamic_update_slice(c, new, at), axes)
+        for c, new, axes, at in writes)
+    return k_all, v_all, (k_all, v_all)
+  k_cache, v_cache = (
+      parallel.constrain(jax.lax.dynamic_update_slice(
+          c, new[None], (layer,) + at), ("layers",) + axes)
+      for c, new, axes, at in writes)
+  return k_cache[layer], v_cache[layer], (k_cache, v_cache)
+
+
 def _layer(cfg: ModelConfig, x, p, positions, span, kv_cache, index):
   """One pre-norm block: ``x += Attn(norm(x)); x += SwiGLU(norm(x))``.
 
   ``kv_cache``: None, or ``(k, v, layer)`` with the whole stacked cache
-  [layers, B, K, slots, d]: this layer's keys and values are written into
+  (``KVCache``'s layout): this layer's keys and values are written into
   it in place at slot ``index`` of ``layer`` and its slice is attended
   over (a stacked cache passed through ``scan``'s inputs and outputs
   instead is copied whole at every decode step: 1.5x slower sampling);
-  with ``layer`` None, ``k`` and ``v`` are this layer's own [B, K, slots,
-  d] buffers (``unstack_cache``), written and attended over with no slice
-  copied out."""
+  with ``layer`` None, ``k`` and ``v`` are this layer's own buffers
+  (``unstack_cache``), written and attended over with no slice copied
+  out."""
   dt = x.dtype
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
   q, k, v = (project(h, p[name].astype(dt), 1) for name in "qkv")
@@ -430,30 +462,17 @@ def _layer(cfg: ModelConfig, x, p, positions, span, kv_cache, index):
     q = rms_norm(q, p["q_norm"], cfg.norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.norm_eps)
   q = rope(q, positions, cfg.rope_theta)
-  k = rope(k, positions, cfg.rope_theta).transpose(0, 2, 1, 3)
-  v = v.transpose(0, 2, 1, 3)  # [B, K, T, d], the cache's layout
-  if kv_cache is not None:
-    k_cache, v_cache, layer = kv_cache
-    if layer is None:
-      k_all, v_all = (
-          parallel.constrain(jax.lax.dynamic_update_slice(
-              c, new, (0, 0, index, 0)), KV_AXES)
-          for c, new in ((k_cache, k), (v_cache, v)))
-      kv_cache = (k_all, v_all)
-    else:
-      k_cache, v_cache = (
-          parallel.constrain(jax.lax.dynamic_update_slice(
-              c, new[None], (layer, 0, 0, index, 0)), ("layers",) + KV_AXES)
-          for c, new in ((k_cache, k), (v_cache, v)))
-      k_all, v_all = k_cache[layer], v_cache[layer]
-      kv_cache = (k_cache, v_cache)
-  else:
-    k_all, v_all = k, v
+  k = rope(k, positions, cfg.rope_theta)
+  v = v.transpose(0, 2, 1, 3)  # [B, K, T, d]
   if kv_cache is None and cfg.attention_impl != "xla":
-    attn = attention_kernels.attend(q, k, v, span.q_segments,
-                                    cfg.attention_impl, cfg.attention_chunk)
+    attn = attention_kernels.attend(q, k.transpose(0, 2, 1, 3), v,
+                                    span.q_segments, cfg.attention_impl,
+                                    cfg.attention_chunk)
   else:
-    attn = attend(q, k_all, v_all, span, cfg.attention_chunk,
+    k = k.transpose(0, 2, 3, 1)  # [B, K, d, T]: transposed, as cached
+    if kv_cache is not None:
+      k, v, kv_cache = _cache_write(kv_cache, k, v, index)
+    attn = attend(q, k, v, span, cfg.attention_chunk,
                   None if index is None else index + q.shape[1])
   x = x + project(attn, p["o"].astype(dt), 2)
   x = parallel.constrain(x, ("batch", "length", "embed"))
@@ -581,14 +600,16 @@ def unembed(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
   """An empty cache of ``slots`` positions per sequence, laid out by the
-  logical axes ``layers`` + ``KV_AXES`` on the mesh in scope."""
-  shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+  logical axes ``layers`` + ``KEY_AXES`` and ``VALUE_AXES`` on the mesh in
+  scope."""
+  heads = (cfg.num_layers, batch, cfg.num_kv_heads)
 
-  def zeros():
-    return parallel.constrain(jnp.zeros(shape, cfg.dtype),
-                              ("layers",) + KV_AXES)
+  def zeros(shape, axes):
+    return parallel.constrain(jnp.zeros(heads + shape, cfg.dtype),
+                              ("layers",) + axes)
 
-  return KVCache(zeros(), zeros(),
+  return KVCache(zeros((cfg.head_dim, slots), KEY_AXES),
+                 zeros((slots, cfg.head_dim), VALUE_AXES),
                  parallel.constrain(jnp.zeros((batch, slots), jnp.int32),
                                     ("batch", "length")),
                  jnp.zeros((), jnp.int32))

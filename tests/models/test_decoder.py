@@ -266,7 +266,8 @@ def _packed_case():
   valid = (segments != 0)[:, :, None, None]
 
   def loss(q, k, v, chunk):
-    return _weighted_sum(decoder.attend(q, k, v, span, chunk), valid)
+    return _weighted_sum(
+        decoder.attend(q, k.swapaxes(2, 3), v, span, chunk), valid)
 
   return (q, k, v), span, valid, loss
 
@@ -283,8 +284,8 @@ def test_chunked_attention_equals_dense_with_gradients(chunk):
   against the dense one, values and gradients to 1e-5; chunk 5 does not
   divide the 23 keys."""
   (q, k, v), span, valid, loss = _packed_case()
-  dense = decoder.attend(q, k, v, span, 0) * valid
-  blocked = decoder.attend(q, k, v, span, chunk) * valid
+  dense = decoder.attend(q, k.swapaxes(2, 3), v, span, 0) * valid
+  blocked = decoder.attend(q, k.swapaxes(2, 3), v, span, chunk) * valid
   np.testing.assert_allclose(blocked, dense, atol=1e-5)
   grads = [jax.grad(loss, argnums=(0, 1, 2))(q, k, v, c) for c in (0, chunk)]
   for dense_g, blocked_g in zip(*grads):
@@ -304,7 +305,7 @@ def test_attention_kernels_equal_dense_with_gradients(impl):
     return _weighted_sum(
         attention_kernels.attend(q, k, v, span.q_segments, impl), valid)
 
-  dense = decoder.attend(q, k, v, span, 0) * valid
+  dense = decoder.attend(q, k.swapaxes(2, 3), v, span, 0) * valid
   for block in (0, 100):  # splash rounds 100 up to a multiple of 128
     np.testing.assert_allclose(
         attention_kernels.attend(q, k, v, span.q_segments, impl, block)
@@ -395,10 +396,10 @@ def test_decode_attention_reads_only_the_filled_blocks(filled):
   span = decoder.Span(jnp.ones((B, T), jnp.int32),
                       jnp.full((B, T), filled - 1), jnp.asarray(segments),
                       jnp.arange(S))
-  out = decoder.attend(q, jnp.asarray(k), jnp.asarray(v), span, chunk,
-                       jnp.int32(filled))
+  out = decoder.attend(q, jnp.asarray(k).swapaxes(2, 3), jnp.asarray(v),
+                       span, chunk, jnp.int32(filled))
   trimmed = span._replace(kv_segments=span.kv_segments[:, :filled],
                           kv_slots=span.kv_slots[:filled])
-  dense = decoder.attend(q, jnp.asarray(k[:, :, :filled]),
+  dense = decoder.attend(q, jnp.asarray(k[:, :, :filled]).swapaxes(2, 3),
                          jnp.asarray(v[:, :, :filled]), trimmed, 0)
   np.testing.assert_allclose(out, dense, atol=1e-5)
