@@ -203,6 +203,9 @@ def attend(q, k, v, span: Span, chunk: int = 0, filled=None):
   ``filled`` (decoding from a cache, no gradient): the number of slots
   written so far; blocked attention then reads only the blocks that hold
   them (``_attend_filled``), not the empty rest of the cache."""
+  if k.shape[2:] != (q.shape[3], v.shape[2]):
+    raise ValueError(f"keys {k.shape}: not [B, K, d, S] beside queries"
+                     f" {q.shape} and values {v.shape}")
   if chunk <= 0 or v.shape[2] <= chunk:
     return _attend(q, k, v, attention_mask(*span))
   if filled is not None:
@@ -244,14 +247,17 @@ def _online_result(carry, v, T):
 
 
 def _key_blocks(k, v, span: Span, chunk: int):
-  """Keys, values and their segment ids and slots as ``ceil(S / chunk)``
-  blocks along a leading axis, padded with segment 0 (never attended)."""
-  B, K, S, d = v.shape
+  """Keys ``k`` [B, K, d, S], values ``v`` [B, K, S, d] and their segment
+  ids and slots as ``n = ceil(S / chunk)`` blocks along a leading axis
+  (keys [n, B, K, d, c], values [n, B, K, c, d], segment ids [n, B, c],
+  slots [n, c]), padded with segment 0 (never attended)."""
+  B, S = v.shape[0], v.shape[2]
   n = -(-S // chunk)
   pad = n * chunk - S
 
   def split(x, axis):  # the slots' axis of x [B, K, ., .]
-    x = jnp.pad(x, [(0, pad) if i == axis else (0, 0) for i in range(4)])
+    x = jnp.pad(x, [(0, pad) if i == axis else (0, 0)
+                    for i in range(x.ndim)])
     x = x.reshape(x.shape[:axis] + (n, chunk) + x.shape[axis + 1:])
     return jnp.moveaxis(x, axis, 0)
 
@@ -289,7 +295,7 @@ def _attend_chunked(q, k, v, span: Span, chunk: int):
 
 
 def _chunked_forward(q, k, v, span: Span, chunk: int):
-  T, K = q.shape[1], k.shape[1]
+  T, K = q.shape[1], v.shape[1]
   qg = _grouped(q, K)
 
   def step(carry, block):
@@ -308,7 +314,9 @@ def _chunked_backward(chunk, saved, grad):
   output's cotangent and ``D = rowsum(dO * O)``::
 
       dV_j = P_j^T dO,  dS_j = P_j * (dO V_j^T - D)  (0 where masked),
-      dQ = sum_j dS_j K_j / sqrt(d),  dK_j = dS_j^T Q / sqrt(d)."""
+      dQ = sum_j dS_j K_j / sqrt(d),  dK_j = dS_j^T Q / sqrt(d),
+
+  ``dK_j`` computed transposed, in the keys' layout: ``Q^T dS_j``."""
   q, k, v, span, out, m, l = saved
   T, K, S, d = q.shape[1], v.shape[1], v.shape[2], q.shape[3]
   f32 = jnp.float32
@@ -423,9 +431,12 @@ def project(x, w, n_in: int):
 
 
 def _cache_write(kv_cache, k, v, index):
-  """``(keys, values, kv_cache)``: this layer's new keys [B, K, d, T] and
-  values [B, K, T, d] written at slot ``index`` of ``kv_cache`` (``_layer``
-  says which form), and the layer's whole keys and values to attend over."""
+  """``k_cache[..., index:index+T] = k`` (keys [B, K, d, T]) and
+  ``v_cache[..., index:index+T, :] = v`` (values [B, K, T, d]), for
+  ``kv_cache = (k_cache, v_cache, layer)``: with ``layer`` None this
+  layer's own buffers, else the stacked ``[layers, ...]`` ones at
+  ``layer``. Returns this layer's whole keys and values to attend over
+  and the updated ``(k_cache, v_cache)``."""
   k_cache, v_cache, layer = kv_cache
   writes = ((k_cache, k, KEY_AXES, (0, 0, 0, index)),
             (v_cache, v, VALUE_AXES, (0, 0, index, 0)))
@@ -599,9 +610,10 @@ def unembed(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
-  """An empty cache of ``slots`` positions per sequence, laid out by the
-  logical axes ``layers`` + ``KEY_AXES`` and ``VALUE_AXES`` on the mesh in
-  scope."""
+  """An empty cache of ``slots`` positions per sequence: keys [layers,
+  batch, kv_heads, head_dim, slots], values [layers, batch, kv_heads,
+  slots, head_dim], laid out by the logical axes ``layers`` + ``KEY_AXES``
+  and ``VALUE_AXES`` on the mesh in scope."""
   heads = (cfg.num_layers, batch, cfg.num_kv_heads)
 
   def zeros(shape, axes):

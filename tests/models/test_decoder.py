@@ -113,6 +113,10 @@ def test_prefill_then_decode_equals_full_forward(name, unstacked):
   positions = decoder.positions_from_segments(segments)
   full, _ = decoder.apply(params, cfg, tokens, segments)
   cache = decoder.init_cache(cfg, B, T + 3)
+  # keys transposed, values not (the layout decode's speed rests on)
+  head = (cfg.num_layers, B, cfg.num_kv_heads)
+  assert cache.k.shape == head + (cfg.head_dim, T + 3)
+  assert cache.v.shape == head + (T + 3, cfg.head_dim)
   out, cache = decoder.apply(params, cfg, tokens[:, :split],
                              segments[:, :split], positions[:, :split], cache)
   steps = [out]
