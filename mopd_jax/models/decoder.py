@@ -625,3 +625,20 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
                  parallel.constrain(jnp.zeros((batch, slots), jnp.int32),
                                     ("batch", "length")),
                  jnp.zeros((), jnp.int32))
+
+
+def extend_cache(cache: KVCache, slots: int) -> KVCache:
+  """``cache`` grown to ``slots`` positions per sequence, the new ones
+  empty (segment 0, never attended), laid out as ``init_cache``'s: a
+  prefill into a cache of the prompt's width attends over the prompt's
+  slots only, not over those its completion will fill."""
+  grow = slots - cache.segment_ids.shape[1]
+
+  def pad(x, axis, axes):
+    widths = [(0, grow) if i == axis else (0, 0) for i in range(x.ndim)]
+    return parallel.constrain(jnp.pad(x, widths), axes)
+
+  return KVCache(pad(cache.k, 4, ("layers",) + KEY_AXES),
+                 pad(cache.v, 3, ("layers",) + VALUE_AXES),
+                 pad(cache.segment_ids, 1, ("batch", "length")), cache.index)
+

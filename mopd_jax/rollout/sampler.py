@@ -164,10 +164,13 @@ def _choose(z, key, temperature):
 
 @functools.partial(jax.jit, static_argnums=(1, 4))
 def _prefill(params, cfg: ModelConfig, prompt, prompt_mask, slots: int):
-  # The cache is created here, under jit, so that it is born sharded.
-  cache = decoder.init_cache(cfg, prompt.shape[0], slots)
+  # The cache is created here, under jit, so that it is born sharded; of
+  # the prompt's width first, so that the prompt attends over its own
+  # slots only, then grown for the completion.
+  cache = decoder.init_cache(cfg, prompt.shape[0], prompt.shape[1])
   segments = prompt_mask.astype(jnp.int32)
   h, cache = decoder.hidden_states(params, cfg, prompt, segments, None, cache)
+  cache = decoder.extend_cache(cache, slots)
   # Only the last position's logits are needed (rows are left-padded): the
   # vocabulary projection of the whole prompt was a fifth of a
   # SmolLM2-135M prefill's FLOPs.

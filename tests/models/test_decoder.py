@@ -102,8 +102,9 @@ def test_matches_numpy_reference(name):
 @pytest.mark.parametrize("unstacked", [False, True])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_prefill_then_decode_equals_full_forward(name, unstacked):
-  """Also with the sampler's CPU layout: the decode steps on unstacked
-  layers and a buffer per layer (``unstack_cache``)."""
+  """Also with the sampler's CPU path: the prompt prefilled into a cache
+  of its own width, grown for the rest (``extend_cache``), and the decode
+  steps on unstacked layers and a buffer per layer (``unstack_cache``)."""
   cfg = VARIANTS[name]
   params = _random_params(cfg)
   B, T, split = 3, 12, 5
@@ -117,10 +118,14 @@ def test_prefill_then_decode_equals_full_forward(name, unstacked):
   head = (cfg.num_layers, B, cfg.num_kv_heads)
   assert cache.k.shape == head + (cfg.head_dim, T + 3)
   assert cache.v.shape == head + (T + 3, cfg.head_dim)
+  if unstacked:
+    cache = decoder.init_cache(cfg, B, split)
   out, cache = decoder.apply(params, cfg, tokens[:, :split],
                              segments[:, :split], positions[:, :split], cache)
   steps = [out]
   if unstacked:
+    cache = decoder.extend_cache(cache, T + 3)
+    assert cache.k.shape == head + (cfg.head_dim, T + 3)
     params = decoder.unstack_layers(params, cfg.num_layers)
     cache = decoder.unstack_cache(cache)
   for t in range(split, T):
