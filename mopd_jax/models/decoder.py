@@ -642,3 +642,18 @@ def extend_cache(cache: KVCache, slots: int) -> KVCache:
                  pad(cache.v, 3, ("layers",) + VALUE_AXES),
                  pad(cache.segment_ids, 1, ("batch", "length")), cache.index)
 
+
+def gather_cache(cache: KVCache, row: jax.Array, col: jax.Array,
+                 segment_ids: jax.Array) -> KVCache:
+  """The cache of a batch whose prompts were filled in packed rows
+  (``rollout/packing.py``): slot ``s`` of batch row ``b`` is the packed
+  cache's slot ``col[b, s]`` of row ``row[b, s]`` (``row``, ``col`` and
+  the batch's ``segment_ids`` [B, W]; a slot of segment 0 is never
+  attended, whatever it holds)."""
+  k = cache.k[:, row, :, :, col].transpose(2, 0, 3, 4, 1)  # [L, B, K, d, W]
+  v = cache.v[:, row, :, col, :].transpose(2, 0, 3, 1, 4)  # [L, B, K, W, d]
+  return KVCache(parallel.constrain(k, ("layers",) + KEY_AXES),
+                 parallel.constrain(v, ("layers",) + VALUE_AXES),
+                 parallel.constrain(segment_ids.astype(jnp.int32),
+                                    ("batch", "length")), cache.index)
+

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from mopd_jax import parallel
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
+from mopd_jax.rollout import packing
 from mopd_jax.ops.logprobs import token_logprobs
 
 
@@ -163,18 +164,29 @@ def _choose(z, key, temperature):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 4))
-def _prefill(params, cfg: ModelConfig, prompt, prompt_mask, slots: int):
+def _prefill(params, cfg: ModelConfig, prompt, prompt_mask, slots: int,
+             packed=None):
+  """The next-token logits, the cache of ``slots`` positions holding the
+  prompts, and each row's next position. ``packed``: the prompts' packed
+  rows (``packing.Packing``), prefilled in place of ``prompt``'s."""
   # The cache is created here, under jit, so that it is born sharded; of
   # the prompt's width first, so that the prompt attends over its own
   # slots only, then grown for the completion.
-  cache = decoder.init_cache(cfg, prompt.shape[0], prompt.shape[1])
   segments = prompt_mask.astype(jnp.int32)
-  h, cache = decoder.hidden_states(params, cfg, prompt, segments, None, cache)
-  cache = decoder.extend_cache(cache, slots)
-  # Only the last position's logits are needed (rows are left-padded): the
-  # vocabulary projection of the whole prompt was a fifth of a
+  tokens, filled = (prompt, segments) if packed is None else packed[:2]
+  cache = decoder.init_cache(cfg, tokens.shape[0], prompt.shape[1])
+  h, cache = decoder.hidden_states(params, cfg, tokens, filled, None, cache)
+  # Only the last position's hidden state is needed (rows are left-padded):
+  # the vocabulary projection of the whole prompt was a fifth of a
   # SmolLM2-135M prefill's FLOPs.
-  logits = decoder.unembed(params, cfg, h[:, -1:])[:, 0]
+  if packed is None:
+    h = h[:, -1]
+  else:
+    row, col = packed[2:]
+    cache = decoder.gather_cache(cache, row, col, segments)
+    h = h[row[:, -1], col[:, -1]]
+  cache = decoder.extend_cache(cache, slots)
+  logits = decoder.unembed(params, cfg, h[:, None])[:, 0]
   next_position = jnp.sum(segments, axis=1)
   return logits, cache, next_position
 
@@ -258,6 +270,10 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
   delta = jnp.float32(guide[2] if guide else 0.0)
   # traced: greedy and sampled evaluations run one compiled decode
   temperature = jnp.float32(sampling.temperature)
+  # On one device, the distinct prompts prefilled once each, packed (on
+  # a mesh the rows of each device would have to be packed apart).
+  packed = packing.pack(prompt, prompt_mask, sampling.pad_id) if (
+      mesh.empty or mesh.size == 1) else None
   if not mesh.empty:
     prompt, prompt_mask = parallel.shard_batch(mesh, (prompt, prompt_mask))
     # one layout for the scalars, wherever they were made: a key on one
@@ -266,7 +282,7 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
                                              parallel.replicated(mesh))
   models = [(params, cfg)] + ([guide[:2]] if guide else [])
   filled = [_prefill(p, c, prompt, prompt_mask,
-                     prompt.shape[1] + sampling.max_new_tokens)
+                     prompt.shape[1] + sampling.max_new_tokens, packed)
             for p, c in models]
   rollout, _ = _decode(tuple(p for p, _ in models),
                        tuple(c for _, c in models),

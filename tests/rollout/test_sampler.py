@@ -9,7 +9,7 @@ import pytest
 
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
-from mopd_jax.rollout import sampler
+from mopd_jax.rollout import packing, sampler
 
 # Its module-scoped fixture is built once: every test of the module on one
 # pytest-xdist worker (--dist=loadgroup).
@@ -174,6 +174,72 @@ def test_empty_rows_are_never_decoded_and_change_nothing(setup):
   for row, length in zip(comp, m.sum(1)):
     assert not set(row[:length - 1]) & {EOS, 7}  # stops at the first
     assert length == 16 or row[length - 1] in (EOS, 7)
+
+
+def _groups(setup, copies=4):
+  """A GRPO-like batch: each prompt ``copies`` times, then an empty row."""
+  params, prompt, mask = setup
+  return (params, jnp.pad(jnp.repeat(prompt, copies, 0), ((0, 1), (0, 0))),
+          jnp.pad(jnp.repeat(mask, copies, 0), ((0, 1), (0, 0))))
+
+
+def test_packing_holds_each_distinct_prompt_once_where_its_rows_find_it(
+    setup):
+  _, prompt, mask = _groups(setup)
+  packed = packing.pack(prompt, mask, pad_id=0)
+  assert packed.tokens.shape == (8, 9)  # 5 distinct prompts, 21 rows
+  # lengths 9, 6, 4, 2, 1 first fit by decreasing length into rows of 9:
+  # [9], [6, 2, 1], [4]
+  np.testing.assert_array_equal((packed.segments > 0).sum(1),
+                                [9, 9, 4, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(packed.segments.max(1)[:3], [1, 3, 1])
+  real = np.asarray(mask) != 0
+  found = packed.tokens[packed.row, packed.col]
+  np.testing.assert_array_equal(found[real], np.asarray(prompt)[real])
+  # distinct prompts, full width, one row each: nothing to save
+  assert packing.pack(*setup[1:], pad_id=0) is None
+
+
+def test_the_packed_prefill_equals_the_padded_one(setup):
+  """Logits, next positions and every attended slot of the cache."""
+  params, prompt, mask = _groups(setup)
+  packed = packing.pack(prompt, mask, pad_id=0)
+  slots = prompt.shape[1] + 6
+  ref = sampler._prefill(params, CFG, prompt, mask, slots)  # pylint: disable=protected-access
+  got = sampler._prefill(params, CFG, prompt, mask, slots, packed)  # pylint: disable=protected-access
+  real = np.asarray(mask) != 0
+  np.testing.assert_allclose(got[0][real[:, -1]], ref[0][real[:, -1]],
+                             atol=1e-5)
+  np.testing.assert_array_equal(got[2], ref[2])
+  np.testing.assert_array_equal(got[1].segment_ids, ref[1].segment_ids)
+  assert int(got[1].index) == int(ref[1].index) == prompt.shape[1]
+  filled = np.pad(real, ((0, 0), (0, 6)))  # the prompts' slots
+  for got_c, ref_c, slot_axis in ((got[1].k, ref[1].k, 4),
+                                  (got[1].v, ref[1].v, 3)):
+    assert got_c.shape == ref_c.shape
+    # [L, B, S, K, d]: the attended slots of every layer
+    got_c, ref_c = (np.moveaxis(np.asarray(c), slot_axis, 2)
+                    for c in (got_c, ref_c))
+    np.testing.assert_allclose(got_c[:, filled], ref_c[:, filled], atol=1e-5)
+
+
+def test_a_batch_of_groups_samples_the_policy_of_the_full_forward(setup):
+  """Packed (each prompt prefilled once): the log-probs of the sampled
+  tokens are those of one plain forward pass, and greedy decoding gives
+  every copy of a prompt its prompt's tokens decoded alone."""
+  params, prompt, mask = _groups(setup)
+  sampling = SETTINGS[0]
+  out = sampler.sample(params, CFG, prompt, mask, jax.random.key(3), sampling)
+  ref = sampler.sequence_logprobs(params, CFG, prompt, mask, out, sampling)
+  assert np.asarray(out.mask[:-1]).sum(1).min() > 0
+  assert np.asarray(out.mask[-1]).sum() == 0
+  assert np.abs(np.asarray(ref) - np.asarray(out.logprobs)).max() <= 1e-5
+  greedy = SETTINGS[2]
+  alone = sampler.sample(params, CFG, *setup[1:], jax.random.key(0), greedy)
+  copies = sampler.sample(params, CFG, prompt, mask, jax.random.key(0),
+                          greedy)
+  np.testing.assert_array_equal(copies.completion[:-1],
+                                np.repeat(alone.completion, 4, 0))
 
 
 def _numpy_blend(lp_s, lp_t, delta):
