@@ -649,7 +649,8 @@ def gather_cache(cache: KVCache, row: jax.Array, col: jax.Array,
   (``rollout/packing.py``): slot ``s`` of batch row ``b`` is the packed
   cache's slot ``col[b, s]`` of row ``row[b, s]`` (``row``, ``col`` and
   the batch's ``segment_ids`` [B, W]; a slot of segment 0 is never
-  attended, whatever it holds)."""
+  attended, whatever it holds). For one device: on a mesh, gathering rows
+  across the batch's shards would all-gather the cache."""
   k = cache.k[:, row, :, :, col].transpose(2, 0, 3, 4, 1)  # [L, B, K, d, W]
   v = cache.v[:, row, :, col, :].transpose(2, 0, 3, 1, 4)  # [L, B, K, W, d]
   return KVCache(parallel.constrain(k, ("layers",) + KEY_AXES),

@@ -27,16 +27,19 @@ class Packing(NamedTuple):
   col: np.ndarray
 
 
-def pack(prompt, prompt_mask, pad_id: int, multiple: int = 8
-         ) -> Packing | None:
+def pack(prompt, prompt_mask, pad_id: int) -> Packing | None:
   """The distinct prompts of left-padded ``prompt`` rows (real tokens
   where ``prompt_mask`` is 1, right-aligned), first fit by decreasing
-  length into rows of the same width, their count rounded up to a
-  ``multiple`` (few shapes to compile); None where that is not fewer rows
-  than the batch (nothing to save)."""
+  length into rows of the same width, their count rounded up to a power
+  of two of at least 8 (few shapes to compile); None where that is not
+  fewer rows than the batch (nothing to save), or where a row's tokens are
+  not right-aligned (the padded prefill's contract, kept as it is). Reads
+  ``prompt`` on the host: a device array is waited for."""
   prompt, mask = np.asarray(prompt), np.asarray(prompt_mask) != 0
   B, W = prompt.shape
   lengths = mask.sum(1)
+  if not np.array_equal(mask, np.arange(W) >= W - lengths[:, None]):
+    return None
   copies: dict[bytes, list[int]] = {}
   for b in np.flatnonzero(lengths):
     copies.setdefault(prompt[b, W - lengths[b]:].tobytes(), []).append(b)
@@ -49,7 +52,7 @@ def pack(prompt, prompt_mask, pad_id: int, multiple: int = 8
       fill.append(0)
     placed.append((rows, r, fill[r]))
     fill[r] += n
-  R = -(-max(len(fill), 1) // multiple) * multiple
+  R = max(8, 1 << (len(fill) - 1).bit_length())
   if R >= B:
     return None
   tokens = np.full((R, W), pad_id, prompt.dtype)

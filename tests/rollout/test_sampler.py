@@ -198,20 +198,31 @@ def test_packing_holds_each_distinct_prompt_once_where_its_rows_find_it(
   np.testing.assert_array_equal(found[real], np.asarray(prompt)[real])
   # distinct prompts, full width, one row each: nothing to save
   assert packing.pack(*setup[1:], pad_id=0) is None
+  # a row not right-aligned: left to the padded prefill's contract
+  assert packing.pack(prompt, mask.at[0, -1].set(0), pad_id=0) is None
+  # 17 distinct full-width prompts twice: 17 rows rounded up to 32, a
+  # power of two (few shapes to compile)
+  rows = jnp.repeat(jnp.tile(prompt[:1], (17, 1)) + jnp.arange(17)[:, None],
+                    2, 0)
+  packed = packing.pack(rows, jnp.ones_like(rows), pad_id=0)
+  assert packed.tokens.shape == (32, 9)
+  assert (packed.segments.max(1) > 0).sum() == 17
 
 
-def test_the_packed_prefill_equals_the_padded_one(setup):
-  """Logits, next positions and every attended slot of the cache."""
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_the_packed_prefill_equals_the_padded_one(setup, chunk):
+  """Logits, next positions and every attended slot of the cache, with
+  dense and with blocked attention."""
   params, prompt, mask = _groups(setup)
+  cfg = dataclasses.replace(CFG, attention_chunk=chunk)
   packed = packing.pack(prompt, mask, pad_id=0)
   slots = prompt.shape[1] + 6
-  ref = sampler._prefill(params, CFG, prompt, mask, slots)  # pylint: disable=protected-access
-  got = sampler._prefill(params, CFG, prompt, mask, slots, packed)  # pylint: disable=protected-access
+  ref = sampler._prefill(params, cfg, prompt, mask, slots)  # pylint: disable=protected-access
+  got = sampler._prefill(params, cfg, prompt, mask, slots, packed)  # pylint: disable=protected-access
   real = np.asarray(mask) != 0
   np.testing.assert_allclose(got[0][real[:, -1]], ref[0][real[:, -1]],
                              atol=1e-5)
   np.testing.assert_array_equal(got[2], ref[2])
-  np.testing.assert_array_equal(got[1].segment_ids, ref[1].segment_ids)
   assert int(got[1].index) == int(ref[1].index) == prompt.shape[1]
   filled = np.pad(real, ((0, 0), (0, 6)))  # the prompts' slots
   for got_c, ref_c, slot_axis in ((got[1].k, ref[1].k, 4),
@@ -228,6 +239,7 @@ def test_a_batch_of_groups_samples_the_policy_of_the_full_forward(setup):
   tokens are those of one plain forward pass, and greedy decoding gives
   every copy of a prompt its prompt's tokens decoded alone."""
   params, prompt, mask = _groups(setup)
+  assert packing.pack(prompt, mask, pad_id=0) is not None
   sampling = SETTINGS[0]
   out = sampler.sample(params, CFG, prompt, mask, jax.random.key(3), sampling)
   ref = sampler.sequence_logprobs(params, CFG, prompt, mask, out, sampling)
@@ -279,11 +291,14 @@ def test_trust_region_blend_is_the_largest_mixture_inside_the_region():
       assert 0 < beta.min() and beta.max() < 1
 
 
-def test_guided_sampling_draws_from_the_blend_of_both_full_forwards(setup):
+@pytest.mark.parametrize("groups", [False, True])
+def test_guided_sampling_draws_from_the_blend_of_both_full_forwards(
+    setup, groups):
   """Sampling under a teacher's guide: each token's log-prob is the blend
   of the student's and the teacher's policies at that prefix (from one
-  full forward pass of each); at delta 0 the tokens are the student's."""
-  params, prompt, mask = setup
+  full forward pass of each); at delta 0 the tokens are the student's.
+  Also for a batch of groups, both models prefilled packed."""
+  params, prompt, mask = _groups(setup) if groups else setup
   teacher = decoder.init_params(CFG, jax.random.key(5))
   teacher = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, teacher)
   sampling = SETTINGS[0]
