@@ -615,16 +615,19 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
   slots, head_dim], laid out by the logical axes ``layers`` + ``KEY_AXES``
   and ``VALUE_AXES`` on the mesh in scope."""
   heads = (cfg.num_layers, batch, cfg.num_kv_heads)
+  return _laid_out(jnp.zeros(heads + (cfg.head_dim, slots), cfg.dtype),
+                   jnp.zeros(heads + (slots, cfg.head_dim), cfg.dtype),
+                   jnp.zeros((batch, slots), jnp.int32),
+                   jnp.zeros((), jnp.int32))
 
-  def zeros(shape, axes):
-    return parallel.constrain(jnp.zeros(heads + shape, cfg.dtype),
-                              ("layers",) + axes)
 
-  return KVCache(zeros((cfg.head_dim, slots), KEY_AXES),
-                 zeros((slots, cfg.head_dim), VALUE_AXES),
-                 parallel.constrain(jnp.zeros((batch, slots), jnp.int32),
-                                    ("batch", "length")),
-                 jnp.zeros((), jnp.int32))
+def _laid_out(k, v, segment_ids, index) -> KVCache:
+  """A cache of these arrays, each constrained to its logical axes
+  (``init_cache``'s layout)."""
+  return KVCache(parallel.constrain(k, ("layers",) + KEY_AXES),
+                 parallel.constrain(v, ("layers",) + VALUE_AXES),
+                 parallel.constrain(segment_ids.astype(jnp.int32),
+                                    ("batch", "length")), index)
 
 
 def extend_cache(cache: KVCache, slots: int) -> KVCache:
@@ -634,13 +637,12 @@ def extend_cache(cache: KVCache, slots: int) -> KVCache:
   slots only, not over those its completion will fill."""
   grow = slots - cache.segment_ids.shape[1]
 
-  def pad(x, axis, axes):
-    widths = [(0, grow) if i == axis else (0, 0) for i in range(x.ndim)]
-    return parallel.constrain(jnp.pad(x, widths), axes)
+  def pad(x, axis):
+    return jnp.pad(x, [(0, grow) if i == axis else (0, 0)
+                       for i in range(x.ndim)])
 
-  return KVCache(pad(cache.k, 4, ("layers",) + KEY_AXES),
-                 pad(cache.v, 3, ("layers",) + VALUE_AXES),
-                 pad(cache.segment_ids, 1, ("batch", "length")), cache.index)
+  return _laid_out(pad(cache.k, 4), pad(cache.v, 3),
+                   pad(cache.segment_ids, 1), cache.index)
 
 
 def gather_cache(cache: KVCache, row: jax.Array, col: jax.Array,
@@ -653,8 +655,4 @@ def gather_cache(cache: KVCache, row: jax.Array, col: jax.Array,
   across the batch's shards would all-gather the cache."""
   k = cache.k[:, row, :, :, col].transpose(2, 0, 3, 4, 1)  # [L, B, K, d, W]
   v = cache.v[:, row, :, col, :].transpose(2, 0, 3, 1, 4)  # [L, B, K, W, d]
-  return KVCache(parallel.constrain(k, ("layers",) + KEY_AXES),
-                 parallel.constrain(v, ("layers",) + VALUE_AXES),
-                 parallel.constrain(segment_ids.astype(jnp.int32),
-                                    ("batch", "length")), cache.index)
-
+  return _laid_out(k, v, segment_ids, cache.index)

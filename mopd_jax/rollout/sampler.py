@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from mopd_jax import parallel
 from mopd_jax.models import decoder
 from mopd_jax.models.config import ModelConfig
-from mopd_jax.rollout import packing
 from mopd_jax.ops.logprobs import token_logprobs
+from mopd_jax.rollout import packing
 
 
 @dataclasses.dataclass(frozen=True)
