@@ -153,12 +153,10 @@ def _math_file(path, n=120):
   return str(path)
 
 
-# The commands: one CPU device (not the suite's 8), so a batch of 4
-# sequences is allowed, and XLA's default compile settings, as users run
-# them (the in-process greedy decode compiles as the rest of the suite
-# does, conftest.py: its first call 4.3 s, against 10.0 optimised with the
-# suite's emitters and 6.7 with XLA's defaults).
-ONE_DEVICE = dict(os.environ, XLA_FLAGS="", JAX_DISABLE_MOST_OPTIMIZATIONS="0")
+# The commands run on the one CPU device a user's machine has (not the
+# suite's 8: a batch of 4 sequences is allowed) and compile as the rest of
+# the suite does (conftest.py): XLA's default optimisations cost the
+# GRPO step's command 27 s against 23 alone.
 # A GRPO or MOPD step as small as the real model allows on two cores (the
 # prompts' ChatML with SmolLM2's system line is about 55 tokens: a width of
 # 64 holds them, and a step at 128 took twice as long). The evaluation's 4
@@ -173,10 +171,11 @@ TINY = ("--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
 
 
 def test_a_grpo_step_then_a_mopd_step_with_its_result_as_teacher(
-    tmp_path, smollm2_run):
+    tmp_path, smollm2_run, cached_env):
   """One GRPO step on the real model, then one MOPD step from that run with
   itself as the teacher, in turn (the second run loads the sampler and
-  evaluation programs the first compiled). The MOPD KL is 0 at step 0, to
+  evaluation programs the first compiled: ``cached_env`` keeps every
+  compile; 45 s against 61 alone). The MOPD KL is 0 at step 0, to
   the float32 rounding between the teacher's scoring pass and the
   student's own (measured: 4e-7 for the exact KL, 7e-7 per sampled
   token)."""
@@ -186,7 +185,7 @@ def test_a_grpo_step_then_a_mopd_step_with_its_result_as_teacher(
                      f"--config.init={smollm2_run}",
                      f"--config.domain={domain}", "--config.stop.gain=0",
                      f"--config.eval.domains=('{domain}',)", *TINY,
-                     timeout=900, env=ONE_DEVICE)
+                     timeout=900, env=cached_env)
   assert result.returncode == 0, result.stderr[-2000:]
   assert runs.finished(grpo)
   assert runs.final_model(grpo)[0].num_layers == 30
@@ -196,7 +195,7 @@ def test_a_grpo_step_then_a_mopd_step_with_its_result_as_teacher(
                      f"--config.teachers={domain}={grpo}",
                      f"--config.data.domains=('{domain}',)",
                      f"--config.eval.domains=('{domain}',)", *TINY,
-                     timeout=900, env=ONE_DEVICE)
+                     timeout=900, env=cached_env)
   assert result.returncode == 0, result.stderr[-2000:]
   first = json.loads((mopd / "metrics.jsonl").read_text().splitlines()[0])
   assert abs(first["loss"]) < 1e-5 and abs(first["signal"]) < 1e-5, first
@@ -225,8 +224,7 @@ def test_a_data_free_merge_of_the_model_and_a_perturbed_copy(
                      f"--config.init={smollm2_run}",
                      f"--config.experts={expert},{smollm2_run}",
                      "--config.merge.lambda=0.5",
-                     "--config.merge.geometry=False", timeout=900,
-                     env=ONE_DEVICE)
+                     "--config.merge.geometry=False", timeout=900)
   assert result.returncode == 0, result.stderr[-2000:]
   cfg, params = runs.final_model(merged)
   assert cfg.num_layers == 30 and runs.finished(merged)
