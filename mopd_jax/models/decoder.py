@@ -584,11 +584,6 @@ def unstack_cache(cache: KVCache) -> KVCache:
   return cache._replace(k=tuple(cache.k), v=tuple(cache.v))
 
 
-def stack_cache(cache: KVCache) -> KVCache:
-  """The inverse of ``unstack_cache``."""
-  return cache._replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v))
-
-
 def output_weight(params: Params, cfg: ModelConfig) -> jax.Array:
   """The [D, V] output projection (the tied embedding, transposed, if tied)."""
   return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
@@ -632,17 +627,22 @@ def _laid_out(k, v, segment_ids, index) -> KVCache:
 
 def extend_cache(cache: KVCache, slots: int) -> KVCache:
   """``cache`` grown to ``slots`` positions per sequence, the new ones
-  empty (segment 0, never attended), laid out as ``init_cache``'s: a
-  prefill into a cache of the prompt's width attends over the prompt's
-  slots only, not over those its completion will fill."""
+  empty (segment 0, never attended), laid out as ``init_cache``'s (or,
+  unstacked, a buffer per layer as before): a prefill into a cache of
+  the prompt's width attends over the prompt's slots only, not over those
+  its completion will fill, and a decode's phases grow it as they go."""
   grow = slots - cache.segment_ids.shape[1]
 
-  def pad(x, axis):
-    return jnp.pad(x, [(0, grow) if i == axis else (0, 0)
+  def pad(x, axis):  # axis counted from the end
+    return jnp.pad(x, [(0, grow) if i == x.ndim + axis else (0, 0)
                        for i in range(x.ndim)])
 
-  return _laid_out(pad(cache.k, 4), pad(cache.v, 3),
-                   pad(cache.segment_ids, 1), cache.index)
+  if isinstance(cache.k, tuple):  # unstack_cache's
+    return cache._replace(k=tuple(pad(k, -1) for k in cache.k),
+                          v=tuple(pad(v, -2) for v in cache.v),
+                          segment_ids=pad(cache.segment_ids, -1))
+  return _laid_out(pad(cache.k, -1), pad(cache.v, -2),
+                   pad(cache.segment_ids, -1), cache.index)
 
 
 def gather_cache(cache: KVCache, row: jax.Array, col: jax.Array,

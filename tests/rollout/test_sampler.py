@@ -44,10 +44,18 @@ SETTINGS = [
     sampler.SamplingConfig(max_new_tokens=24, temperature=0.7, top_k=8,
                            top_p=0.9, stop_ids=(EOS,)),
     sampler.SamplingConfig(max_new_tokens=24, temperature=0.0, stop_ids=(EOS,)),
+    # three phases (18, 36, 72 new tokens), every row to the end
+    sampler.SamplingConfig(max_new_tokens=72, stop_ids=()),
 ]
 
 
-@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "topkp", "greedy"])
+def test_phases_grow_the_cache_to_the_completion():
+  assert sampler.phase_ends(24) == (24,)
+  assert sampler.phase_ends(72) == (18, 36, 72)
+
+
+@pytest.mark.parametrize("sampling", SETTINGS,
+                         ids=["t1", "topkp", "greedy", "phased"])
 def test_logprobs_equal_full_forward(setup, sampling):
   params, prompt, mask = setup
   out = sampler.sample(params, CFG, prompt, mask, jax.random.key(7), sampling)
@@ -297,11 +305,12 @@ def test_guided_sampling_draws_from_the_blend_of_both_full_forwards(
   """Sampling under a teacher's guide: each token's log-prob is the blend
   of the student's and the teacher's policies at that prefix (from one
   full forward pass of each); at delta 0 the tokens are the student's.
-  Also for a batch of groups, both models prefilled packed."""
+  Also for a batch of groups, both models prefilled packed and both
+  caches grown over three decode phases."""
   params, prompt, mask = _groups(setup) if groups else setup
   teacher = decoder.init_params(CFG, jax.random.key(5))
   teacher = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, teacher)
-  sampling = SETTINGS[0]
+  sampling = SETTINGS[-1] if groups else SETTINGS[0]
   plain = sampler.sample(params, CFG, prompt, mask, jax.random.key(7),
                          sampling)
   same = sampler.sample(params, CFG, prompt, mask, jax.random.key(7),
