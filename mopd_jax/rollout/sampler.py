@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mopd_jax import parallel
 from mopd_jax.models import decoder
@@ -302,6 +304,80 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
                        tuple(f[1] for f in filled),
                        tuple(f[0] for f in filled), filled[0][2], delta,
                        temperature)
+
+
+# A group's rows are padded to a multiple of this (with empty rows), so
+# that few batch shapes compile whatever the step's domain counts.
+GROUP_ROWS = 16
+
+
+def budget_groups(budgets: np.ndarray, n: int, unit: int = GROUP_ROWS):
+  """``[(rows, width, max_new_tokens)]``: the rows (indices) whose budget
+  is above ``n // 2`` in one group, the others in a second (an empty
+  group left out), each group's ``width`` its row count rounded up to a
+  multiple of ``unit`` (at most ``len(budgets)``) and its
+  ``max_new_tokens`` its largest budget."""
+  groups = []
+  for rows in (np.flatnonzero(budgets > n // 2),
+               np.flatnonzero(budgets <= n // 2)):
+    if len(rows):
+      width = min(-(-len(rows) // unit) * unit, len(budgets))
+      groups.append((rows, width, int(budgets[rows].max())))
+  return groups
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _merged(parts: tuple[Rollout, ...], order, budgets, n: int,
+            pad_id: int) -> Rollout:
+  """The rows of ``parts`` concatenated (columns padded to ``n``), taken
+  in ``order``, each cut after its ``budgets[b]`` tokens (PAD, log-prob
+  0, mask 0 beyond)."""
+  keep = jnp.arange(n)[None] < budgets[:, None]
+
+  def cat(field, fill):
+    rows = jnp.concatenate([
+        jnp.pad(getattr(r, field), ((0, 0), (0, n - r.mask.shape[1])),
+                constant_values=fill) for r in parts])[order]
+    return jnp.where(keep, rows, fill)
+
+  return Rollout(cat("completion", pad_id), cat("logprobs", 0.0),
+                 cat("mask", 0))
+
+
+def sample_by_budget(params, cfg: ModelConfig, prompt, prompt_mask, key,
+                     sampling: SamplingConfig, budgets) -> Rollout:
+  """``sample`` with each row's completion cut after ``min(budgets[b], n)``
+  tokens (a domain's ``completion_budget``; ``n =
+  sampling.max_new_tokens``). On a CPU, where a decode step costs in
+  proportion to its rows, the rows of budget at most ``n / 2`` are
+  sampled by a call of their own, up to their largest budget, and the
+  others by another (``budget_groups``; each call's rows padded with
+  empty ones to a multiple of ``GROUP_ROWS`` and of the mesh's devices):
+  one call decodes every row until the longest has ended, so a concise
+  domain's rows beside a long one's would pay for its length. The same
+  distribution either way, not the same tokens (the second call draws
+  with ``fold_in(key, 1)``); a batch of one group, or on an accelerator,
+  is one ``sample`` call. ``prompt``, ``prompt_mask``: host arrays."""
+  n = sampling.max_new_tokens
+  budgets = np.minimum(np.asarray(budgets), n)
+  mesh = jax.sharding.get_mesh()
+  if jax.default_backend() == "cpu":
+    groups = budget_groups(budgets, n, math.lcm(
+        GROUP_ROWS, 1 if mesh.empty else mesh.size))
+  else:
+    groups = [(np.arange(len(budgets)), len(budgets), n)]
+  prompt, prompt_mask = np.asarray(prompt), np.asarray(prompt_mask)
+  parts, order, start = [], np.empty(len(budgets), np.int32), 0
+  for i, (rows, width, budget) in enumerate(groups):
+    empty = np.zeros((width - len(rows), prompt.shape[1]), prompt.dtype)
+    parts.append(sample(
+        params, cfg, np.concatenate([prompt[rows], empty + sampling.pad_id]),
+        np.concatenate([prompt_mask[rows], empty.astype(prompt_mask.dtype)]),
+        jax.random.fold_in(key, i) if i else key,
+        dataclasses.replace(sampling, max_new_tokens=budget)))
+    order[rows] = start + np.arange(len(rows))
+    start += width
+  return _merged(tuple(parts), order, budgets, n, sampling.pad_id)
 
 
 def completion_hidden(params, cfg: ModelConfig, prompt, prompt_mask,

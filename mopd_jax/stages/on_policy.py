@@ -285,6 +285,10 @@ class Rollouts:
                sample_mesh=None):
     by_domain = splits.domain_splits(config, names, "train")
     self.train_sets = [by_domain[d] for d in names]
+    # each domain's own completion budget: a concise domain's rows are
+    # sampled apart from a long one's (``sampler.sample_by_budget``)
+    self.budgets = np.array([completion_budget((d,), sampling.max_new_tokens)
+                             for d in names])
     self.verifiers = [get_domain(d).verify for d in names]
     self.config, self.tokenizer, self.model_cfg = config, tokenizer, model_cfg
     self.mesh, self.sampling = mesh, sampling
@@ -327,8 +331,9 @@ class Rollouts:
     with parallel.activate(self.sample_mesh):
       if behaviour:
         return behaviour(params, prompt, prompt_mask, seq_ids, key, sampling)
-      return sampler.sample(params, self.model_cfg, prompt, prompt_mask, key,
-                            sampling)
+      return sampler.sample_by_budget(params, self.model_cfg, prompt,
+                                      prompt_mask, key, sampling,
+                                      self.budgets[seq_ids])
 
   def grade(self, examples, seq_ids: np.ndarray, completion) -> np.ndarray:
     """[B] verifier rewards of the completions."""

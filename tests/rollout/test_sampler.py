@@ -356,3 +356,39 @@ def test_keys_on_one_device_or_the_mesh_and_every_temperature_run_one_program(
   assert sampler._decode._cache_size() == compiled
   np.testing.assert_array_equal(first.completion, second.completion)
   assert (np.asarray(warm.completion) != np.asarray(first.completion)).any()
+
+
+def test_budget_groups_split_concise_rows_from_long_ones():
+  groups = sampler.budget_groups(np.array([24, 4, 24, 6, 4]), 24, unit=2)
+  (long_rows, long_width, long_n), (short, short_width, short_n) = groups
+  np.testing.assert_array_equal(long_rows, [0, 2])
+  np.testing.assert_array_equal(short, [1, 3, 4])
+  assert (long_width, long_n, short_width, short_n) == (2, 24, 4, 6)
+  # one group: every row's budget above n / 2, or every row's at most
+  ((rows, width, n),) = sampler.budget_groups(np.array([13, 24, 20]), 24)
+  assert (list(rows), width, n) == ([0, 1, 2], 3, 24)
+  ((rows, width, n),) = sampler.budget_groups(np.array([4, 8]), 24)
+  assert (list(rows), width, n) == ([0, 1], 2, 8)
+
+
+def test_rows_sampled_by_budget_are_cut_at_theirs_and_scored_as_sampled(
+    setup):
+  """Long and concise rows sampled by two calls (each padded with empty
+  rows) come back in their own order: every row runs to its own budget
+  (no stop token) and its log-probs are those of one full forward pass
+  over its own prompt; the long rows are those of a call of their own."""
+  params, prompt, mask = setup
+  sampling = sampler.SamplingConfig(max_new_tokens=24, stop_ids=())
+  budgets = np.array([24, 4, 24, 6, 4])
+  key = jax.random.key(3)
+  out = sampler.sample_by_budget(params, CFG, np.asarray(prompt),
+                                 np.asarray(mask), key, sampling, budgets)
+  assert out.completion.shape == (5, 24)
+  np.testing.assert_array_equal(np.asarray(out.mask).sum(1), budgets)
+  ref = sampler.sequence_logprobs(params, CFG, prompt, mask, out, sampling)
+  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref),
+                             atol=1e-5)
+  alone = sampler.sample(params, CFG, prompt[::2][:2], mask[::2][:2], key,
+                         sampling)
+  np.testing.assert_array_equal(np.asarray(out.completion)[[0, 2]],
+                                alone.completion)
