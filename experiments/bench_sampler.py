@@ -1,6 +1,6 @@
 """Benchmark: the sampler against transformers' ``generate`` on one model.
 
-    python experiments/bench_sampler.py [--size=default|large|long]
+    python experiments/bench_sampler.py [--size=default|large|long|derive]
         [--repeats=5] [--chunk=64] [--cpu_devices=2]
 
 Both sample the same Llama-shaped model (our random parameters, converted
@@ -13,7 +13,9 @@ on both sides). Prints both decode rates
 ratio. ``default`` is the built-in model (d=128, 4 layers, vocabulary 58,
 untied) at batch 128, 24 + 48 tokens; ``large`` is d=512, 8 layers,
 vocabulary 32k at batch 32, 64 + 64; ``long`` the default model at batch
-32, 64 + 448 (512 cache slots). ``--chunk`` gives our model blocked
+32, 64 + 448 (512 cache slots); ``derive`` the default model at the
+shape of ``configs/study.py:imbalanced``'s ``derive`` rollouts, batch
+128, 24 + 192 (the decode in three phases). ``--chunk`` gives our model blocked
 attention, whose decode reads only the filled part of the cache.
 ``--cpu_devices`` splits a CPU host into that many devices
 (``mesh.cpu_devices``), ours sampling its rows split over them (a data
@@ -42,6 +44,7 @@ SIZES = {
                           num_heads=8, num_kv_heads=4, head_dim=64,
                           mlp_dim=1536, tie_embeddings=False), 32, 64, 64),
     "long": (ModelConfig(tie_embeddings=False), 32, 64, 448),
+    "derive": (ModelConfig(tie_embeddings=False), 128, 24, 192),
     "smoke": (ModelConfig(vocab_size=40, embed_dim=32, num_layers=2,
                           num_heads=2, num_kv_heads=1, head_dim=16,
                           mlp_dim=64, tie_embeddings=False), 4, 6, 5),
