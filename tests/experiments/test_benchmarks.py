@@ -150,3 +150,11 @@ def test_bench_length_buckets_smoke():
   lines = result.stdout.strip().splitlines()
   assert lines[-1].startswith("ratio (1 part / 2 parts)")
   assert "length_buckets=2" in result.stdout
+
+
+def test_bench_sampling_budgets_smoke():
+  result = _run("bench_sampling_budgets.py", "--preset=micro", "--rows=8",
+                "--prompt_len=4", "--short=2", "--long=8", "--repeats=1")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip().splitlines()[-1].startswith(
+      "ratio (one call / by budget)")
