@@ -298,12 +298,10 @@ def sample(params, cfg: ModelConfig, prompt: jax.Array, prompt_mask: jax.Array,
   filled = [_prefill(p, c, prompt, prompt_mask, prompt.shape[1] + first,
                      packed)
             for p, c in models]
-  return _decode(tuple(p for p, _ in models),
-                       tuple(c for _, c in models),
-                       dataclasses.replace(sampling, temperature=1.0), key,
-                       tuple(f[1] for f in filled),
-                       tuple(f[0] for f in filled), filled[0][2], delta,
-                       temperature)
+  return _decode(tuple(p for p, _ in models), tuple(c for _, c in models),
+                 dataclasses.replace(sampling, temperature=1.0), key,
+                 tuple(f[1] for f in filled), tuple(f[0] for f in filled),
+                 filled[0][2], delta, temperature)
 
 
 # A group's rows are padded to a multiple of this (with empty rows), so
