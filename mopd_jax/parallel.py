@@ -143,6 +143,12 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
       x, mesh_spec(dict(mesh.shape), names, x.shape))
 
 
+def data_parallel(mesh: Mesh) -> int:
+  """How many ways ``batch`` is split (``data`` x ``fsdp``; 1 without a
+  mesh): a batch's rows must be a multiple of it."""
+  return 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
   """Leading axis split like ``batch``, the rest replicated."""
   names = ("batch",) + (None,) * (len(shape) - 1)

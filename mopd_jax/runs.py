@@ -259,7 +259,7 @@ def setup(config, tokenizer=None):
 
 
 def check_divisible(mesh, batch: int, field: str) -> None:
-  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  data_parallel = parallel.data_parallel(mesh)
   if batch % data_parallel:
     raise ConfigError(f"{field}: a batch of {batch} sequences is not a"
                       f" multiple of the {data_parallel} data-parallel devices")

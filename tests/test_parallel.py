@@ -38,6 +38,10 @@ def test_make_mesh_shapes_and_errors():
   assert dict(parallel.make_mesh(2, 2, 2).shape) == dict(
       data=2, fsdp=2, tensor=2)
   assert dict(parallel.make_mesh(-1, 1, 4).shape)["data"] == 2
+  # a batch splits over data x fsdp, not over tensor
+  assert parallel.data_parallel(parallel.make_mesh(2, 2, 2)) == 4
+  assert parallel.data_parallel(parallel.make_mesh(1, 1, 8)) == 1
+  assert parallel.data_parallel(jax.sharding.get_mesh()) == 1  # no mesh
   with pytest.raises(ConfigError, match="mesh"):
     parallel.make_mesh(3, 1, 1)
   with pytest.raises(ConfigError, match="mesh"):

@@ -276,7 +276,7 @@ def padded_rows(rows: np.ndarray, mesh) -> np.ndarray:
   """``rows`` padded with copies of the first to a power of two of at
   least 8, and to a multiple of ``mesh``'s data-parallel size, so that few
   shapes compile."""
-  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  data_parallel = parallel.data_parallel(mesh)
   padded = max(8, 1 << int(rows.size - 1).bit_length())
   padded = -(-padded // data_parallel) * data_parallel
   return np.concatenate([rows, np.full(padded - rows.size, rows[0])])

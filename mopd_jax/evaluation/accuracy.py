@@ -27,7 +27,7 @@ def generate(params, model_cfg, tokenizer, prompts: Sequence[str],
   few rows, and a few shapes are compiled.
   """
   mesh = jax.sharding.get_mesh()
-  devices = 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]
+  devices = parallel.data_parallel(mesh)
   texts, lengths = [], []
   for start in range(0, len(prompts), batch_size):
     chunk = list(prompts[start:start + batch_size])

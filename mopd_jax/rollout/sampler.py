@@ -361,7 +361,7 @@ def sample_by_budget(params, cfg: ModelConfig, prompt, prompt_mask, key,
   mesh = jax.sharding.get_mesh()
   if jax.default_backend() == "cpu":
     groups = budget_groups(budgets, n, math.lcm(
-        GROUP_ROWS, 1 if mesh.empty else mesh.size))
+        GROUP_ROWS, parallel.data_parallel(mesh)))
   else:
     groups = [(np.arange(len(budgets)), len(budgets), n)]
   prompt, prompt_mask = np.asarray(prompt), np.asarray(prompt_mask)
