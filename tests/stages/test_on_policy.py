@@ -1,7 +1,5 @@
 """The shared on-policy step, called directly as the stages call it."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -146,7 +144,7 @@ def test_check_mesh_names_the_field_that_breaks_the_data_split(
   rl = ml_collections.ConfigDict(dict(
       prompts_per_step=8, group_size=4, minibatches=minibatches,
       length_buckets=buckets))
-  mesh = types.SimpleNamespace(shape={"data": 4, "fsdp": 2})
+  mesh = parallel.make_mesh(4, 2, 1)
   if field is None:
     on_policy.check_mesh(mesh, rl)
   else:
