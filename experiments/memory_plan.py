@@ -188,7 +188,7 @@ def check() -> list[tuple[str, float, float]]:
   with parallel.activate(mesh):
     cache = jax.jit(lambda: decoder.init_cache(cfg, batch, length)).lower(
         ).compile().memory_analysis()
-  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  data_parallel = parallel.data_parallel(mesh)
   rows = [
       ("arguments: params + adam + batch",
        est["params"] + est["adam"] + 3 * token_bytes / data_parallel,
