@@ -77,9 +77,13 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def data_dir(tmp_path_factory):
-  """A TFDS directory shared by the tests that build the built-in domains."""
-  return str(tmp_path_factory.mktemp("tfds"))
+def data_dir(tmp_path_factory, worker_id):
+  """A TFDS directory shared by the tests that build the built-in domains,
+  on every pytest-xdist worker (each dataset is built once: the builder
+  holds an OS lock on it while it builds)."""
+  out, _ = _shared_dir(tmp_path_factory, worker_id, "tfds")
+  out.mkdir(exist_ok=True)
+  return str(out)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,15 +137,26 @@ def cached_env():
 
 
 @pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory, data_dir, cached_env):
-  """One real ``python -m mopd_jax.train`` smoke pretraining run, shared."""
+def smoke_run(tmp_path_factory, worker_id, data_dir, cached_env):
+  """One real ``python -m mopd_jax.train`` smoke pretraining run, shared by
+  the pytest-xdist workers (only read: a test that resumes or changes it
+  works on a copy): its workdir, command and completed process."""
   import subprocess
-  workdir = tmp_path_factory.mktemp("smoke") / "run"
+  from filelock import FileLock
+  root, lock = _shared_dir(tmp_path_factory, worker_id, "smoke")
+  workdir = root / "run"
   cmd = pretrain_smoke_command(workdir, data_dir)
-  result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env=cached_env)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return workdir, cmd, result
+  with FileLock(str(lock)):
+    if not (root / "stdout.txt").exists():
+      root.mkdir(exist_ok=True)
+      result = subprocess.run(cmd, capture_output=True, text=True,
+                              timeout=300, env=cached_env)
+      assert result.returncode == 0, result.stderr[-3000:]
+      (root / "stderr.txt").write_text(result.stderr)
+      (root / "stdout.txt").write_text(result.stdout)  # last: it is done
+  return workdir, cmd, subprocess.CompletedProcess(
+      cmd, 0, (root / "stdout.txt").read_text(),
+      (root / "stderr.txt").read_text())
 
 
 def run_notebook(name: str, workdir) -> dict:

@@ -36,8 +36,11 @@ def test_pretrain_smoke_writes_everything(smoke_run):
   assert 0.0 <= result["eval/sampled/reverse/accuracy"] <= 1.0
 
 
-def test_rerun_resumes_from_latest_checkpoint(smoke_run):
-  run, cmd, _ = smoke_run
+def test_rerun_resumes_from_latest_checkpoint(smoke_run, tmp_path):
+  run = tmp_path / "run"  # a copy: the shared run is only read
+  shutil.copytree(smoke_run[0], run)
+  cmd = [a if not a.startswith("--workdir=") else f"--workdir={run}"
+         for a in smoke_run[1]]
   second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert second.returncode == 0, second.stderr[-2000:]
   assert "resuming from step 4" in second.stdout
