@@ -108,14 +108,26 @@ def load_config(name: str, variant: str = ""):
   return _load_script("configs", name).get_config(variant)
 
 
+def python_m(module, *args, env=None, timeout=300):
+  """``python -m <module> *args`` run from the repository root, its output
+  captured (a ``subprocess.CompletedProcess``), forked from a process that
+  has the libraries imported (``fork_server``)."""
+  import fork_server
+  return fork_server.run_module(module, args, cwd=ROOT, env=env,
+                                timeout=timeout)
+
+
+def run_experiment(script, *args, env=None, timeout=300):
+  """``python experiments/<script> *args`` from the repository root
+  (``python_m``'s way)."""
+  import fork_server
+  return fork_server.run_script(f"{ROOT}/experiments/{script}", args,
+                                cwd=ROOT, env=env, timeout=timeout)
+
+
 def train_cli(*args, env=None, timeout=300):
-  """``python -m mopd_jax.train *args`` run from the repository root, its
-  output captured."""
-  import subprocess
-  import sys
-  return subprocess.run([sys.executable, "-m", "mopd_jax.train", *args],
-                        capture_output=True, text=True, timeout=timeout,
-                        env=env, cwd=ROOT)
+  """``python -m mopd_jax.train *args`` (``python_m``)."""
+  return python_m("mopd_jax.train", *args, env=env, timeout=timeout)
 
 
 def pretrain_smoke_command(workdir, data_dir):

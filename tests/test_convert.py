@@ -4,8 +4,6 @@ back, compared with transformers' own logits."""
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT  # noqa: E402
+from conftest import python_m  # noqa: E402
 from mopd_jax import convert, parallel, runs  # noqa: E402
 from mopd_jax.errors import CheckpointError  # noqa: E402
 from mopd_jax.checksum import named_leaves  # noqa: E402
@@ -54,9 +52,7 @@ def _saved(tmp_path, family, shard=False):
 
 
 def _convert(*args):
-  return subprocess.run([sys.executable, "-m", "mopd_jax.convert", *args],
-                        capture_output=True, text=True, cwd=ROOT,
-                        timeout=300)
+  return python_m("mopd_jax.convert", *args)
 
 
 TOKENS = np.random.default_rng(0).integers(0, 61, (2, 40))
@@ -326,10 +322,8 @@ def test_score_refuses_lines_past_a_checkpoints_positions(tmp_path):
   lines = tmp_path / "in.jsonl"
   lines.write_text('{"text": "1+1"}\n{"text": "abcdefghijkl"}\n')
   out = tmp_path / "out.jsonl"
-  result = subprocess.run(
-      [sys.executable, "-m", "mopd_jax.score", f"--model={path}",
-       f"--input={lines}", f"--output={out}"],
-      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  result = python_m("mopd_jax.score", f"--model={path}", f"--input={lines}",
+                    f"--output={out}")
   assert result.returncode == 2, result.stderr[-2000:]
   assert result.stderr.strip() == (
       f"error: {lines}:2: 12 tokens, more than the model's"

@@ -8,12 +8,10 @@ code 2 before any work."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import python_m
 from mopd_jax import stages
 from mopd_jax.errors import ConfigError
 from mopd_jax.evaluation.run_eval import evaluate_run
@@ -22,9 +20,7 @@ SETTINGS = stages.defaults("mix_rl")
 
 
 def _evaluate(*args, env):
-  return subprocess.run([sys.executable, "-m", "mopd_jax.evaluate", *args],
-                        capture_output=True, text=True, timeout=300, env=env,
-                        cwd=ROOT)
+  return python_m("mopd_jax.evaluate", *args, env=env)
 
 
 def test_evaluate_reproduces_the_runs_final_evaluation(smoke_run, tmp_path,

@@ -5,8 +5,6 @@ of another tokenizer refused in one line."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 tokenizers = pytest.importorskip("tokenizers")
 
-from conftest import ROOT, train_cli  # noqa: E402
+from conftest import ROOT, python_m, train_cli  # noqa: E402
 from mopd_jax import convert  # noqa: E402
 from mopd_jax.data import domains  # noqa: E402
 from mopd_jax.errors import DataError  # noqa: E402
@@ -108,15 +106,13 @@ def test_a_checkpoint_with_its_own_tokenizer_end_to_end(tmp_path, smoke_run,
   # The imported run (whose config holds only its model and tokenizer)
   # evaluated with the settings of a config (here: completions of at most
   # 3 tokens, in bfloat16).
-  result = subprocess.run(
-      [sys.executable, "-m", "mopd_jax.evaluate", f"--run={base}",
-       "--num_prompts=4", "--domains=add",
-       f"--settings={ROOT}/configs/mix_rl.py:smoke",
-       "--settings.sampling.max_new_tokens=3",
-       "--settings.model.dtype=bfloat16",
-       f"--settings.data.data_dir={data_dir}",
-       f"--output={tmp_path / 'eval.json'}"],
-      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  result = python_m("mopd_jax.evaluate", f"--run={base}", "--num_prompts=4",
+                    "--domains=add",
+                    f"--settings={ROOT}/configs/mix_rl.py:smoke",
+                    "--settings.sampling.max_new_tokens=3",
+                    "--settings.model.dtype=bfloat16",
+                    f"--settings.data.data_dir={data_dir}",
+                    f"--output={tmp_path / 'eval.json'}")
   assert result.returncode == 0, result.stderr[-3000:]
   scalars = json.load(open(tmp_path / "eval.json"))
   assert 0 < scalars["eval/greedy/add/length"] <= 3

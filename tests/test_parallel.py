@@ -6,14 +6,12 @@ start-up and process-0-only files."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT
+from conftest import ROOT, train_cli
 from jax.sharding import PartitionSpec as P
 
 from mopd_jax import stages
@@ -146,17 +144,14 @@ def test_cli_mopd_with_two_teachers_on_a_sharded_mesh(smoke_run, tmp_path,
   of 4 devices, with the full-vocabulary KL loss."""
   base = smoke_run[0]
   run = tmp_path / "mopd"
-  result = subprocess.run(
-      [sys.executable, "-m", "mopd_jax.train",
-       f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
-       f"--config.init={base}", f"--config.teachers=add={base},sort={base}",
-       "--config.data.domains=('add','sort')", "--config.eval.domains=('add',)",
-       f"--config.data.data_dir={data_dir}", "--config.train.steps=2",
-       "--config.eval.greedy=False", "--config.mesh.fsdp=2",
-       "--config.mesh.tensor=2", "--config.opd.teacher_devices=4",
-       "--config.mesh.cpu_devices=8", "--config.opd.loss=kl"],
-      capture_output=True, text=True, timeout=300, cwd=ROOT,
-      env=dict(cached_env, PYTHONPATH=ROOT))
+  result = train_cli(
+      f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
+      f"--config.init={base}", f"--config.teachers=add={base},sort={base}",
+      "--config.data.domains=('add','sort')", "--config.eval.domains=('add',)",
+      f"--config.data.data_dir={data_dir}", "--config.train.steps=2",
+      "--config.eval.greedy=False", "--config.mesh.fsdp=2",
+      "--config.mesh.tensor=2", "--config.opd.teacher_devices=4",
+      "--config.mesh.cpu_devices=8", "--config.opd.loss=kl", env=cached_env)
   assert result.returncode == 0, result.stderr[-3000:]
   # No array resharded by replicating it whole (a sharded gather's fallback).
   assert "full rematerialization" not in result.stderr

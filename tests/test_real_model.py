@@ -8,8 +8,6 @@ session)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT, train_cli  # noqa: E402
+from conftest import python_m, train_cli  # noqa: E402
 from mopd_jax import convert, runs  # noqa: E402
 from mopd_jax.data import batching  # noqa: E402
 from mopd_jax.models import tokenizer as tokenizer_lib  # noqa: E402
@@ -81,10 +79,8 @@ def test_score_on_the_checkpoint_matches_transformers(tmp_path, smollm2_hf,
   path.write_text("".join(json.dumps(line) + "\n" for line in lines))
   before = sorted(os.listdir(smollm2_hf))
   out = tmp_path / "out.jsonl"
-  result = subprocess.run(
-      [sys.executable, "-m", "mopd_jax.score", f"--model={smollm2_hf}",
-       f"--input={path}", f"--output={out}"], capture_output=True, text=True,
-      timeout=600, cwd=ROOT)
+  result = python_m("mopd_jax.score", f"--model={smollm2_hf}",
+                    f"--input={path}", f"--output={out}", timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   assert sorted(os.listdir(smollm2_hf)) == before
   records = [json.loads(r) for r in out.read_text().splitlines()]

@@ -3,15 +3,13 @@ the MOPD signal and the exact reverse KL against float64 numpy, and bad
 input lines named by file and line with nothing written."""
 
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import python_m
 from mopd_jax import score
 from mopd_jax.errors import DataError
 from mopd_jax.models import decoder
@@ -90,9 +88,7 @@ def test_a_line_past_the_models_positions_is_named(tmp_path):
 
 
 def _score_cli(*args):
-  return subprocess.run([sys.executable, "-m", "mopd_jax.score", *args],
-                        capture_output=True, text=True, cwd=ROOT,
-                        timeout=300)
+  return python_m("mopd_jax.score", *args)
 
 
 def test_cli_writes_every_line_or_nothing(tmp_path, smoke_run):

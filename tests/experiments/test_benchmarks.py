@@ -3,21 +3,16 @@ unseen: bench_step broke once on a hand-made optimiser config), printing
 its ratios."""
 
 import json
-import subprocess
-import sys
 
-from conftest import ROOT
+from conftest import ROOT, run_experiment, train_cli
 
 
-def _run(script, *args, env=None):
-  return subprocess.run([sys.executable, f"{ROOT}/experiments/{script}",
-                         *args], capture_output=True, text=True, cwd=ROOT,
-                        timeout=300, env=env)
+
 
 
 def test_bench_step_smoke():
   # The accelerator settings: bfloat16, remat, blocked attention.
-  result = _run("bench_step.py", "--preset=micro", "--rows=2", "--length=8",
+  result = run_experiment("bench_step.py", "--preset=micro", "--rows=2", "--length=8",
                 "--decode_batch=2", "--prompt_len=4", "--new_tokens=2",
                 "--peak_size=64", "--dtype=bfloat16", "--remat", "--chunk=4",
                 "--attention=cudnn", "--repeats=2")
@@ -30,14 +25,14 @@ def test_bench_step_smoke():
 
 
 def test_bench_ops_smoke():
-  result = _run("bench_ops.py", "--n=64", "--d=16", "--v=128", "--repeats=1")
+  result = run_experiment("bench_ops.py", "--n=64", "--d=16", "--v=128", "--repeats=1")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "max rel err" in result.stdout and '"memory_ratio"' in result.stdout
 
 
 def test_bench_sampler_smoke(tmp_path):
   out = tmp_path / "sampler.json"
-  result = _run("bench_sampler.py", "--size=smoke", "--repeats=1", "--chunk=4",
+  result = run_experiment("bench_sampler.py", "--size=smoke", "--repeats=1", "--chunk=4",
                 "--cpu_devices=2", f"--json={out}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "devices=2" in result.stdout
@@ -49,7 +44,7 @@ def test_bench_sampler_smoke(tmp_path):
 
 def test_bench_mopd_smoke(tmp_path, data_dir, smoke_run):
   out = tmp_path / "mopd.json"
-  result = _run("bench_mopd.py", "--steps=3", f"--out={tmp_path / 'runs'}",
+  result = run_experiment("bench_mopd.py", "--steps=3", f"--out={tmp_path / 'runs'}",
                 f"--data_dir={data_dir}", f"--json={out}",
                 f"--base={smoke_run[0]}", "--teachers=2", "--cpu_devices=2")
   assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
@@ -76,12 +71,12 @@ def test_bench_real_model_and_real_data_smoke(tmp_path):
       head_dim=8)).to(torch.float32)
   model.save_pretrained(tmp_path / "hf")
   save_tokenizer(tmp_path / "hf")
-  result = _run("real_data.py", f"--out={tmp_path / 'data'}", "--n=40")
+  result = run_experiment("real_data.py", f"--out={tmp_path / 'data'}", "--n=40")
   assert result.returncode == 0, result.stderr[-3000:]
   sums = tmp_path / "data" / "sums.jsonl"
   assert len(sums.read_text().splitlines()) == 40
   out = tmp_path / "real.json"
-  result = _run("bench_real_model.py", f"--model={tmp_path / 'hf'}",
+  result = run_experiment("bench_real_model.py", f"--model={tmp_path / 'hf'}",
                 "--batches=2", "--new=3", "--repeats=1", "--train_rows=2",
                 "--prompt_tokens=8,16", f"--eval_file={sums}",
                 "--eval_new=3", "--eval_prompts=2", f"--json={out}",
@@ -104,7 +99,7 @@ def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
   state, so it ends with the same parameters and metrics."""
   import shutil
   out = tmp_path / "bench"
-  result = _run("bench_async.py", "--steps=4", f"--out={out}",
+  result = run_experiment("bench_async.py", "--steps=4", f"--out={out}",
                 f"--data_dir={data_dir}", f"--base={smoke_run[0]}",
                 "--variant=smoke", f"--json={tmp_path / 'async.json'}",
                 env=cached_env)  # the re-run loads what the run compiled
@@ -120,17 +115,15 @@ def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
   config = json.loads((run / "config.json").read_text())
   shutil.rmtree(run / "ckpt" / "4")
   (run / "summary.json").unlink()
-  rerun = subprocess.run(
-      [sys.executable, "-m", "mopd_jax.train",
-       f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
-       f"--config.init={config['init']}",
-       f"--config.teachers={config['teachers']}",
-       "--config.rl.max_policy_lag=1", "--config.rl.tis_cap=2.0",
-       "--config.train.steps=4", "--config.train.log_every=1",
-       "--config.train.eval_every=0", "--config.eval.num_prompts=8",
-       "--config.checkpoint.every=2", "--config.mesh.cpu_devices=2",
-       f"--config.data.data_dir={data_dir}"],
-      capture_output=True, text=True, cwd=ROOT, timeout=300, env=cached_env)
+  rerun = train_cli(
+      f"--config={ROOT}/configs/mopd.py:smoke", f"--workdir={run}",
+      f"--config.init={config['init']}",
+      f"--config.teachers={config['teachers']}",
+      "--config.rl.max_policy_lag=1", "--config.rl.tis_cap=2.0",
+      "--config.train.steps=4", "--config.train.log_every=1",
+      "--config.train.eval_every=0", "--config.eval.num_prompts=8",
+      "--config.checkpoint.every=2", "--config.mesh.cpu_devices=2",
+      f"--config.data.data_dir={data_dir}", env=cached_env)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert "resuming from step 2" in rerun.stdout + rerun.stderr
   assert json.loads((run / "summary.json").read_text())["params_sha256"] == (
@@ -142,7 +135,7 @@ def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
 
 
 def test_bench_length_buckets_smoke():
-  result = _run("bench_length_buckets.py", "--preset=micro", "--rows=8",
+  result = run_experiment("bench_length_buckets.py", "--preset=micro", "--rows=8",
                 "--width=16", "--prompt_len=4", "--long=12",
                 "--minibatches=1", "--epochs=1", "--buckets=2",
                 "--repeats=1")
@@ -153,7 +146,7 @@ def test_bench_length_buckets_smoke():
 
 
 def test_bench_sampling_budgets_smoke():
-  result = _run("bench_sampling_budgets.py", "--preset=micro", "--rows=8",
+  result = run_experiment("bench_sampling_budgets.py", "--preset=micro", "--rows=8",
                 "--prompt_len=4", "--short=2", "--long=8", "--repeats=1")
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip().splitlines()[-1].startswith(

@@ -1,12 +1,10 @@
 """The Mix RL proportions sweep on smoke runs, and its mixtures by hand."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, load_experiment
+from conftest import load_experiment, run_experiment
 
 
 def test_mixtures_boost_one_domain_at_a_time():
@@ -20,12 +18,11 @@ def test_mixtures_boost_one_domain_at_a_time():
 
 def test_sweep_writes_the_report(smoke_run, tmp_path, data_dir, cached_env):
   out = tmp_path / "proportions"
-  result = subprocess.run(
-      [sys.executable, f"{ROOT}/experiments/mix_rl_proportions.py",
-       f"--base={smoke_run[0]}", f"--out={out}", "--variant=smoke",
-       "--domains=",  # uniform only here: the boosts are mixtures() above
-       "--eval_prompts=4", "--", f"data.data_dir={data_dir}",
-       "train.steps=2"], capture_output=True, text=True, cwd=ROOT,
+  result = run_experiment(
+      "mix_rl_proportions.py", f"--base={smoke_run[0]}", f"--out={out}",
+      "--variant=smoke",
+      "--domains=",  # uniform only here: the boosts are mixtures() above
+      "--eval_prompts=4", "--", f"data.data_dir={data_dir}", "train.steps=2",
       env=cached_env, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   found = json.loads((out / "proportions.json").read_text())
@@ -35,8 +32,6 @@ def test_sweep_writes_the_report(smoke_run, tmp_path, data_dir, cached_env):
       "add", "chain", "instruct", "sort", "reverse"}
   assert (out / "proportions.png").read_bytes()[:4] == b"\x89PNG"
   assert "| uniform |" in (out / "proportions.md").read_text()
-  bad = subprocess.run(
-      [sys.executable, f"{ROOT}/experiments/mix_rl_proportions.py",
-       f"--base={tmp_path / 'none'}", f"--out={out}2"], capture_output=True,
-      text=True, cwd=ROOT, timeout=300)
+  bad = run_experiment("mix_rl_proportions.py", f"--base={tmp_path / 'none'}",
+                       f"--out={out}2")
   assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -7,12 +7,10 @@ and its average over seeds against numpy."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 
-from conftest import ROOT, load_experiment
+from conftest import ROOT, load_experiment, run_experiment
 
 
 def test_over_seeds_averages_each_cell():
@@ -35,13 +33,11 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir, cached_env):
   teachers = ",".join(f"{d}={base}" for d in ("add", "chain", "instruct",
                                                 "sort"))
   out = tmp_path / "ablation"
-  result = subprocess.run(
-      [sys.executable, f"{ROOT}/experiments/open_mopd_ablation.py",
-       f"--base={base}", f"--teachers={teachers}", f"--out={out}",
-       "--steps=2", "--variants=all", "--seeds=0,3", "--jobs=2",
-       "--config_variant=:smoke", "--eval_prompts=8", "--",
-       f"--config.data.data_dir={data_dir}"],
-      capture_output=True, text=True, timeout=300,
+  result = run_experiment(
+      "open_mopd_ablation.py", f"--base={base}", f"--teachers={teachers}",
+      f"--out={out}", "--steps=2", "--variants=all", "--seeds=0,3", "--jobs=2",
+      "--config_variant=:smoke", "--eval_prompts=8", "--",
+      f"--config.data.data_dir={data_dir}",
       # A script's own directory comes first on sys.path: point Python at
       # this checkout's package, not at whichever one is installed.
       env=dict(cached_env, PYTHONPATH=ROOT))
@@ -65,11 +61,9 @@ def test_ablation_writes_the_report(smoke_run, tmp_path, data_dir, cached_env):
 
 
 def _ablation(tmp_path, *args):
-  return subprocess.run(
-      [sys.executable, f"{ROOT}/experiments/open_mopd_ablation.py",
-       f"--base={tmp_path}/base", f"--out={tmp_path}/out", *args],
-      capture_output=True, text=True, timeout=120,
-      env=dict(os.environ, PYTHONPATH=ROOT))
+  return run_experiment("open_mopd_ablation.py", f"--base={tmp_path}/base",
+                        f"--out={tmp_path}/out", *args, timeout=120,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
 
 
 def test_bad_teachers_and_failed_runs_stop_with_exit_2(tmp_path):

@@ -4,12 +4,10 @@ input is one line, exit 2, nothing written."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import jax
 import pytest
-from conftest import ROOT, train_cli
+from conftest import ROOT, python_m, train_cli
 
 from mopd_jax.models.config import ModelConfig
 from mopd_jax import parallel, runs
@@ -86,10 +84,8 @@ def test_merge_is_a_run_that_other_stages_and_evaluate_accept(
                    "--config.train.steps=2",
                    f"--config.data.data_dir={data_dir}", env=cached_env)
   assert mopd.returncode == 0, mopd.stderr[-3000:]
-  evaluated = subprocess.run(
-      [sys.executable, "-m", "mopd_jax.evaluate", f"--run={run}",
-       "--num_prompts=4", "--domains=add"], capture_output=True, text=True,
-      cwd=ROOT, env=cached_env, timeout=300)
+  evaluated = python_m("mopd_jax.evaluate", f"--run={run}",
+                       "--num_prompts=4", "--domains=add", env=cached_env)
   assert evaluated.returncode == 0, evaluated.stderr[-3000:]
   assert "eval/greedy/add/accuracy" in json.loads(
       (run / "eval_4.json").read_text())
@@ -141,10 +137,8 @@ def test_geometry_of_runs_alone(experts, tmp_path):
   assert set(found["cosine"]) == set(DOMAINS)
   assert 0.2 < found["sparsity"]["sort"] < 0.4
   # The command line: a bad --experts is one line, exit 2.
-  bad = subprocess.run(
-      [sys.executable, "-m", "mopd_jax.evaluation.geometry", f"--init={base}",
-       f"--experts=add={base}", f"--out={tmp_path / 'x'}"],
-      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  bad = python_m("mopd_jax.evaluation.geometry", f"--init={base}",
+                 f"--experts=add={base}", f"--out={tmp_path / 'x'}")
   assert bad.returncode == 2
   assert bad.stderr.strip().splitlines()[-1] == (
       "error: --experts: no run for domain 'chain'")
