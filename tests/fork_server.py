@@ -58,11 +58,13 @@ null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(null, 0)
 for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
   os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+os.environ.clear()
+os.environ.update(request["env"])
 os.chdir(request["cwd"])
 script = request["script"]
 # As python -m puts the working directory first on sys.path, and python
-# FILE the file's directory.
-sys.path[0] = os.path.dirname(script) if script else request["cwd"]
+# FILE the file's directory (the server itself runs with -P: none).
+sys.path.insert(0, os.path.dirname(script) if script else request["cwd"])
 sys.argv = [script or request["module"]] + request["args"]
 del json, control_in, control_out, line, pid, null, fd, path
 if script:
@@ -74,12 +76,17 @@ else:
 _servers: dict[tuple, subprocess.Popen] = {}
 
 
+# Set by pytest for each test: not a setting any import reads, so one server
+# serves every test (the child gets the caller's value).
+_VOLATILE = ("PYTEST_CURRENT_TEST",)
+
+
 def _server(env: dict[str, str]) -> subprocess.Popen:
-  key = tuple(sorted(env.items()))
+  key = tuple(sorted(i for i in env.items() if i[0] not in _VOLATILE))
   server = _servers.get(key)
   if server is None or server.poll() is not None:
     server = subprocess.Popen(
-        [sys.executable, "-c", _SERVER, json.dumps(PRELOAD)],
+        [sys.executable, "-P", "-c", _SERVER, json.dumps(PRELOAD)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
         cwd=tempfile.gettempdir())
     if server.stdout.readline() != b"ready\n":
@@ -113,12 +120,13 @@ def run_script(path: str, args, *, cwd: str, env=None,
 
 def _run(command, what, args, cwd, env, timeout):
   args = [str(a) for a in args]
-  server = _server(dict(os.environ if env is None else env))
+  env = dict(os.environ if env is None else env)
+  server = _server(env)
   with tempfile.TemporaryDirectory() as tmp:
     out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
     server.stdin.write(json.dumps(dict(
-        what, args=args, cwd=str(cwd), stdout=out,
-        stderr=err)).encode() + b"\n")
+        what, args=args, cwd=str(cwd), stdout=out, stderr=err,
+        env=env)).encode() + b"\n")
     server.stdin.flush()
     pid = int(server.stdout.readline())
     ready, _, _ = select.select([server.stdout], [], [], timeout)
