@@ -1,29 +1,34 @@
-"""``python -m <module> ARGS`` for the tests, forked from a process that has
-already imported the libraries every command imports.
+"""``python -m <module> ARGS`` and ``python FILE ARGS`` for the tests,
+forked from a process that has already imported the libraries every
+command imports.
 
 A command's start is mostly imports (``python -c "import mopd_jax.train"``:
 2.3-2.7 s on the 2-core CPU, 1 s of it ``ml_dtypes`` registering its NumPy
-ufunc loops), and the suite starts about 140 commands. A server process per
-environment imports jax, flax, optax, orbax and the package's library
-modules once, never touching a device (so no XLA thread exists to be
-forked), and forks a child per command: the child sets ``sys.argv``, its
-working directory and its standard streams, and runs the module as
-``__main__`` as ``python -m`` does, exiting as a process does (``atexit``
-handlers, exit code; a signal's death is ``-signal``, as ``subprocess``
-reports it). What a command computes is the same as in a fresh process: the
-server has the command's whole environment (one server per distinct
-environment, as jax reads its settings from it at import) and imports no
-entry module (``mopd_jax.train``, ``evaluate``, ...), whose flags the child
-defines. Commands that are killed by signals or are experiment scripts
-still start as processes of their own.
+ufunc loops), and the suite starts about 140 commands. A server process
+imports jax, flax, optax, orbax and the package's library modules once,
+never touching a device (so no XLA thread exists to be forked), and forks
+a child per command: the child sets ``sys.argv``, its working directory and
+its standard streams and runs the module or file as ``__main__``, exiting
+as a process does (``atexit`` handlers, exit code; a signal's death is
+``-signal``, as ``subprocess`` reports it). What a command computes is what
+a fresh process computes: a server is made for one environment (jax reads
+its settings from it at import) and one first entry of ``sys.path`` (the
+working directory for ``-m``, the file's folder for a file: the same
+copy of the package is imported), and imports no entry module
+(``mopd_jax.train``, ``evaluate``, ...), whose flags the child defines.
+The server enforces the timeout (it is the child's parent). Unlike fresh
+processes, the children of one server share its ``hash()`` seed (NumPy's
+and ``random``'s global generators are reseeded in each), and the output
+of a grandchild still running when the child exits is not waited for.
+Commands that tests kill with signals stay processes of their own.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import os
-import select
 import subprocess
 import sys
 import tempfile
@@ -34,9 +39,16 @@ import tempfile
 PRELOAD = ("numpy", "jax", "jax.numpy", "flax.linen", "optax",
            "orbax.checkpoint", "ml_collections.config_flags", "absl.app",
            "mopd_jax.stages", "mopd_jax.cli")
+# Servers kept per pytest worker (about 210 MB each), least recently used
+# closed first.
+MAX_SERVERS = 4
+# Set by pytest for each test: not a setting any import reads, so one server
+# serves every test (the child gets the caller's value).
+_VOLATILE = ("PYTEST_CURRENT_TEST",)
 
 _SERVER = r"""
-import json, os, runpy, sys
+import json, os, random, runpy, signal, sys, time
+sys.path.insert(0, sys.argv[2])
 for name in json.loads(sys.argv[1]):
   __import__(name)
 control_in, control_out = sys.stdin.buffer, sys.stdout.buffer
@@ -49,11 +61,20 @@ while True:
   pid = os.fork()
   if pid == 0:
     break
-  control_out.write(b"%d\n" % pid); control_out.flush()
-  _, status = os.waitpid(pid, 0)
-  control_out.write(b"%d\n" % os.waitstatus_to_exitcode(status))
-  control_out.flush()
-# The child: the command's streams and directory, then python -m.
+  deadline = time.monotonic() + request["timeout"]
+  while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+      answer = b"%d" % os.waitstatus_to_exitcode(status)
+      break
+    if time.monotonic() > deadline:
+      os.kill(pid, signal.SIGKILL)
+      os.waitpid(pid, 0)
+      answer = b"timeout"
+      break
+    time.sleep(0.01)
+  control_out.write(answer + b"\n"); control_out.flush()
+# The child: the command's environment, streams and directory, then run.
 null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(null, 0)
 for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
@@ -61,10 +82,9 @@ for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
 os.environ.clear()
 os.environ.update(request["env"])
 os.chdir(request["cwd"])
+random.seed()
+sys.modules["numpy"].random.seed()
 script = request["script"]
-# As python -m puts the working directory first on sys.path, and python
-# FILE the file's directory (the server itself runs with -P: none).
-sys.path.insert(0, os.path.dirname(script) if script else request["cwd"])
 sys.argv = [script or request["module"]] + request["args"]
 del json, control_in, control_out, line, pid, null, fd, path
 if script:
@@ -73,33 +93,41 @@ else:
   runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 """
 
-_servers: dict[tuple, subprocess.Popen] = {}
+_servers: collections.OrderedDict = collections.OrderedDict()
 
 
-# Set by pytest for each test: not a setting any import reads, so one server
-# serves every test (the child gets the caller's value).
-_VOLATILE = ("PYTEST_CURRENT_TEST",)
+def _close_server(key) -> None:
+  server = _servers.pop(key)
+  server.stdin.close()
+  server.kill()
+  server.wait()
 
 
-def _server(env: dict[str, str]) -> subprocess.Popen:
-  key = tuple(sorted(i for i in env.items() if i[0] not in _VOLATILE))
-  server = _servers.get(key)
-  if server is None or server.poll() is not None:
+def _server(env: dict[str, str], path0: str) -> subprocess.Popen:
+  key = (path0,) + tuple(sorted(i for i in env.items()
+                                if i[0] not in _VOLATILE))
+  if key in _servers and _servers[key].poll() is not None:
+    _close_server(key)
+  if key not in _servers:
+    while len(_servers) >= MAX_SERVERS:
+      _close_server(next(iter(_servers)))
+    # -P: nothing of the server's own directory on sys.path; path0 is.
     server = subprocess.Popen(
-        [sys.executable, "-P", "-c", _SERVER, json.dumps(PRELOAD)],
+        [sys.executable, "-P", "-c", _SERVER, json.dumps(PRELOAD), path0],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
-        cwd=tempfile.gettempdir())
+        cwd=path0)
     if server.stdout.readline() != b"ready\n":
+      server.kill()
       raise RuntimeError("the fork server did not start")
     _servers[key] = server
-  return server
+  _servers.move_to_end(key)
+  return _servers[key]
 
 
 @atexit.register
 def _close():
-  for server in _servers.values():
-    server.stdin.close()
-    server.wait()
+  for key in list(_servers):
+    _close_server(key)
 
 
 def run_module(module: str, args, *, cwd: str, env=None,
@@ -107,39 +135,44 @@ def run_module(module: str, args, *, cwd: str, env=None,
   """``subprocess.run([sys.executable, "-m", module, *args], cwd=cwd,
   env=env, capture_output=True, text=True, timeout=timeout)``, forked from
   a server of ``env`` (``os.environ`` when None)."""
-  return _run(["-m", module], dict(module=module, script=None), args, cwd,
-              env, timeout)
+  return _run(["-m", module], dict(module=module, script=None), args,
+              str(cwd), env, timeout, path0=str(cwd))
 
 
 def run_script(path: str, args, *, cwd: str, env=None,
                timeout: float = 300) -> subprocess.CompletedProcess:
   """``run_module`` for ``python PATH *args``."""
-  return _run([path], dict(module=None, script=path), args, cwd, env,
-              timeout)
+  return _run([path], dict(module=None, script=path), args, str(cwd), env,
+              timeout, path0=os.path.dirname(os.path.abspath(path)))
 
 
-def _run(command, what, args, cwd, env, timeout):
+def _run(command, what, args, cwd, env, timeout, path0):
   args = [str(a) for a in args]
+  if not os.path.isdir(cwd):  # as subprocess raises it
+    raise FileNotFoundError(2, "No such file or directory", cwd)
   env = dict(os.environ if env is None else env)
-  server = _server(env)
+  server = _server(env, path0)
   with tempfile.TemporaryDirectory() as tmp:
     out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-    server.stdin.write(json.dumps(dict(
-        what, args=args, cwd=str(cwd), stdout=out, stderr=err,
-        env=env)).encode() + b"\n")
-    server.stdin.flush()
-    pid = int(server.stdout.readline())
-    ready, _, _ = select.select([server.stdout], [], [], timeout)
-    if not ready:
-      os.kill(pid, 9)
-      server.stdout.readline()
+    try:
+      request = memoryview(json.dumps(dict(
+          what, args=args, cwd=cwd, stdout=out, stderr=err, env=env,
+          timeout=timeout)).encode() + b"\n")
+      while request:
+        request = request[server.stdin.write(request):]
+      answer = server.stdout.readline().strip()
+      if not answer:
+        raise RuntimeError("the fork server died")
+    except BaseException:  # an interrupted exchange: the server is lost
+      _close_server(next(k for k, s in _servers.items() if s is server))
+      raise
+    if answer == b"timeout":
       raise subprocess.TimeoutExpired([*command, *args], timeout)
-    code = int(server.stdout.readline())
     return subprocess.CompletedProcess(
-        [sys.executable, *command, *args], code,
-        _text(out), _text(err))
+        [sys.executable, *command, *args], int(answer), _text(out),
+        _text(err))
 
 
 def _text(path: str) -> str:
-  with open(path, encoding="utf-8", errors="replace") as f:
+  with open(path) as f:  # strict, in the locale's encoding, as text=True
     return f.read()
