@@ -5,17 +5,17 @@ command imports.
 A command's start is mostly imports (``python -c "import mopd_jax.train"``:
 2.3-2.7 s on the 2-core CPU, 1 s of it ``ml_dtypes`` registering its NumPy
 ufunc loops), and the suite starts about 140 commands. A server process
-imports jax, flax, optax, orbax and the package's library modules once,
-never touching a device (so no XLA thread exists to be forked), and forks
+imports jax, flax, optax and orbax once, never touching a device (so no XLA thread exists to be forked), and forks
 a child per command: the child sets ``sys.argv``, its working directory and
 its standard streams and runs the module or file as ``__main__``, exiting
 as a process does (``atexit`` handlers, exit code; a signal's death is
 ``-signal``, as ``subprocess`` reports it). What a command computes is what
 a fresh process computes: a server is made for one environment (jax reads
-its settings from it at import) and one first entry of ``sys.path`` (the
-working directory for ``-m``, the file's folder for a file: the same
-copy of the package is imported), and imports no entry module
-(``mopd_jax.train``, ``evaluate``, ...), whose flags the child defines.
+its settings from it at import) and imports none of this package, which
+the child imports after putting first on ``sys.path`` what ``python -m``
+(the working directory) or ``python FILE`` (the file's folder) would: the
+same copy of it as a fresh process, and its entry modules' flags defined
+once.
 The server enforces the timeout (it is the child's parent). Unlike fresh
 processes, the children of one server share its ``hash()`` seed (NumPy's
 and ``random``'s global generators are reseeded in each), and the output
@@ -33,12 +33,11 @@ import subprocess
 import sys
 import tempfile
 
-# Imported once by each server: what every command imports before its own
-# entry module (``python -X importtime -m mopd_jax.train``), none of which
-# defines a command-line flag.
+# Imported once by each server: the libraries every command imports
+# (``python -X importtime -m mopd_jax.train``: 2.1 of its 2.3 s), none of
+# which defines a command-line flag.
 PRELOAD = ("numpy", "jax", "jax.numpy", "flax.linen", "optax",
-           "orbax.checkpoint", "ml_collections.config_flags", "absl.app",
-           "mopd_jax.stages", "mopd_jax.cli")
+           "orbax.checkpoint", "ml_collections.config_flags", "absl.app")
 # Servers kept per pytest worker (about 210 MB each), least recently used
 # closed first.
 MAX_SERVERS = 4
@@ -48,7 +47,6 @@ _VOLATILE = ("PYTEST_CURRENT_TEST",)
 
 _SERVER = r"""
 import json, os, random, runpy, signal, sys, time
-sys.path.insert(0, sys.argv[2])
 for name in json.loads(sys.argv[1]):
   __import__(name)
 control_in, control_out = sys.stdin.buffer, sys.stdout.buffer
@@ -85,6 +83,8 @@ os.chdir(request["cwd"])
 random.seed()
 sys.modules["numpy"].random.seed()
 script = request["script"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)) if script
+                else request["cwd"])
 sys.argv = [script or request["module"]] + request["args"]
 del json, control_in, control_out, line, pid, null, fd, path
 if script:
@@ -103,19 +103,17 @@ def _close_server(key) -> None:
   server.wait()
 
 
-def _server(env: dict[str, str], path0: str) -> subprocess.Popen:
-  key = (path0,) + tuple(sorted(i for i in env.items()
-                                if i[0] not in _VOLATILE))
+def _server(env: dict[str, str]) -> subprocess.Popen:
+  key = tuple(sorted(i for i in env.items() if i[0] not in _VOLATILE))
   if key in _servers and _servers[key].poll() is not None:
     _close_server(key)
   if key not in _servers:
     while len(_servers) >= MAX_SERVERS:
       _close_server(next(iter(_servers)))
-    # -P: nothing of the server's own directory on sys.path; path0 is.
+    # -P: nothing of the server's own directory on sys.path.
     server = subprocess.Popen(
-        [sys.executable, "-P", "-c", _SERVER, json.dumps(PRELOAD), path0],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
-        cwd=path0)
+        [sys.executable, "-P", "-c", _SERVER, json.dumps(PRELOAD)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
     if server.stdout.readline() != b"ready\n":
       server.kill()
       raise RuntimeError("the fork server did not start")
@@ -136,22 +134,22 @@ def run_module(module: str, args, *, cwd: str, env=None,
   env=env, capture_output=True, text=True, timeout=timeout)``, forked from
   a server of ``env`` (``os.environ`` when None)."""
   return _run(["-m", module], dict(module=module, script=None), args,
-              str(cwd), env, timeout, path0=str(cwd))
+              str(cwd), env, timeout)
 
 
 def run_script(path: str, args, *, cwd: str, env=None,
                timeout: float = 300) -> subprocess.CompletedProcess:
   """``run_module`` for ``python PATH *args``."""
-  return _run([path], dict(module=None, script=path), args, str(cwd), env,
-              timeout, path0=os.path.dirname(os.path.abspath(path)))
+  return _run([path], dict(module=None, script=str(path)), args, str(cwd),
+              env, timeout)
 
 
-def _run(command, what, args, cwd, env, timeout, path0):
+def _run(command, what, args, cwd, env, timeout):
   args = [str(a) for a in args]
   if not os.path.isdir(cwd):  # as subprocess raises it
     raise FileNotFoundError(2, "No such file or directory", cwd)
   env = dict(os.environ if env is None else env)
-  server = _server(env, path0)
+  server = _server(env)
   with tempfile.TemporaryDirectory() as tmp:
     out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
     try:
