@@ -66,3 +66,16 @@ def test_a_timeout_kills_the_command_and_the_server_goes_on(probes,
   again = fork_server.run_script(str(script), ["0"], cwd=tmp_path,
                                  env=dict(os.environ))
   assert again.returncode == 0 and "to stderr" in again.stderr
+
+
+def test_the_package_is_the_copy_a_fresh_process_imports(tmp_path):
+  """A checkout other than the installed one: its own ``mopd_jax``."""
+  (tmp_path / "mopd_jax").mkdir()
+  (tmp_path / "mopd_jax" / "__init__.py").write_text("")
+  (tmp_path / "mopd_jax" / "where.py").write_text(
+      "import mopd_jax\nprint(mopd_jax.__file__)\n")
+  theirs = subprocess.run([sys.executable, "-m", "mopd_jax.where"],
+                          cwd=tmp_path, capture_output=True, text=True)
+  ours = fork_server.run_module("mopd_jax.where", [], cwd=tmp_path)
+  assert ours.stdout == theirs.stdout == (
+      f"{tmp_path / 'mopd_jax' / '__init__.py'}\n")
