@@ -130,12 +130,18 @@ def train_cli(*args, env=None, timeout=300):
   return python_m("mopd_jax.train", *args, env=env, timeout=timeout)
 
 
-def pretrain_smoke_command(workdir, data_dir):
-  import sys
-  return [sys.executable, "-m", "mopd_jax.train",
-          f"--config={ROOT}/configs/pretrain.py:smoke", f"--workdir={workdir}",
+def pretrain_smoke_args(workdir, data_dir):
+  """The smoke pretraining run's ``mopd_jax.train`` flags."""
+  return [f"--config={ROOT}/configs/pretrain.py:smoke", f"--workdir={workdir}",
           f"--config.data.data_dir={data_dir}",
           "--config.train.eval_every=2"]  # the shared run evaluates twice
+
+
+def pretrain_smoke_command(workdir, data_dir):
+  """``pretrain_smoke_args`` as a process of its own (to signal or share)."""
+  import sys
+  return [sys.executable, "-m", "mopd_jax.train",
+          *pretrain_smoke_args(workdir, data_dir)]
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,12 @@ command imports.
 A command's start is mostly imports (``python -c "import mopd_jax.train"``:
 2.3-2.7 s on the 2-core CPU, 1 s of it ``ml_dtypes`` registering its NumPy
 ufunc loops), and the suite starts about 140 commands. A server process
-imports jax, flax, optax and orbax once, never touching a device (so no XLA thread exists to be forked), and forks
-a child per command: the child sets ``sys.argv``, its working directory and
-its standard streams and runs the module or file as ``__main__``, exiting
-as a process does (``atexit`` handlers, exit code; a signal's death is
-``-signal``, as ``subprocess`` reports it). What a command computes is what
+imports jax, flax, optax and orbax once, never touching a device (so no
+XLA thread exists to be forked), and forks a child per command: the child
+sets ``sys.argv``, its working directory and its standard streams and
+runs the module or file as ``__main__``, exiting as a process does
+(``atexit`` handlers, exit code; a signal's death is ``-signal``, as
+``subprocess`` reports it). What a command computes is what
 a fresh process computes: a server is made for one environment (jax reads
 its settings from it at import) and imports none of this package, which
 the child imports after putting first on ``sys.path`` what ``python -m``
@@ -103,8 +104,9 @@ def _close_server(key) -> None:
   server.wait()
 
 
-def _server(env: dict[str, str]) -> subprocess.Popen:
-  key = tuple(sorted(i for i in env.items() if i[0] not in _VOLATILE))
+def _server(key, env: dict[str, str]) -> subprocess.Popen:
+  """The server of ``key`` (``env`` without ``_VOLATILE``), started if
+  need be."""
   if key in _servers and _servers[key].poll() is not None:
     _close_server(key)
   if key not in _servers:
@@ -149,7 +151,8 @@ def _run(command, what, args, cwd, env, timeout):
   if not os.path.isdir(cwd):  # as subprocess raises it
     raise FileNotFoundError(2, "No such file or directory", cwd)
   env = dict(os.environ if env is None else env)
-  server = _server(env)
+  key = tuple(sorted(i for i in env.items() if i[0] not in _VOLATILE))
+  server = _server(key, env)
   with tempfile.TemporaryDirectory() as tmp:
     out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
     try:
@@ -162,7 +165,7 @@ def _run(command, what, args, cwd, env, timeout):
       if not answer:
         raise RuntimeError("the fork server died")
     except BaseException:  # an interrupted exchange: the server is lost
-      _close_server(next(k for k, s in _servers.items() if s is server))
+      _close_server(key)
       raise
     if answer == b"timeout":
       raise subprocess.TimeoutExpired([*command, *args], timeout)

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import (ROOT, load_config, pretrain_smoke_command,
+from conftest import (ROOT, load_config, pretrain_smoke_args,
                       run_notebook, train_cli)
 from mopd_jax import stages
 from mopd_jax import runs
@@ -36,18 +36,17 @@ def test_pretrain_smoke_writes_everything(smoke_run):
   assert 0.0 <= result["eval/sampled/reverse/accuracy"] <= 1.0
 
 
-def _copy_of(smoke_run, tmp_path):
+def _copy_of(smoke_run, tmp_path, data_dir):
   """A copy of the shared smoke run (which tests only read) and its
-  command with the copy as workdir."""
+  command's flags with the copy as workdir."""
   run = tmp_path / "run"
   shutil.copytree(smoke_run[0], run)
-  return run, [a if not a.startswith("--workdir=") else f"--workdir={run}"
-               for a in smoke_run[1]]
+  return run, pretrain_smoke_args(run, data_dir)
 
 
-def test_rerun_resumes_from_latest_checkpoint(smoke_run, tmp_path):
-  run, cmd = _copy_of(smoke_run, tmp_path)
-  second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def test_rerun_resumes_from_latest_checkpoint(smoke_run, tmp_path, data_dir):
+  run, args = _copy_of(smoke_run, tmp_path, data_dir)
+  second = train_cli(*args)
   assert second.returncode == 0, second.stderr[-2000:]
   assert "resuming from step 4" in second.stdout
   assert sorted(os.listdir(run / "ckpt")) == ["2", "4"]
@@ -74,26 +73,23 @@ def _snapshot(directory) -> dict:
 
 
 def test_resuming_with_another_model_is_refused(smoke_run, tmp_path,
-                                                cached_env):
-  run, cmd = _copy_of(smoke_run, tmp_path)
+                                                data_dir, cached_env):
+  run, args = _copy_of(smoke_run, tmp_path, data_dir)
   before = _snapshot(run)
-  result = subprocess.run(cmd + ["--config.model.embed_dim=64"],
-                          capture_output=True, text=True, timeout=300,
-                          env=cached_env)
+  result = train_cli(*args, "--config.model.embed_dim=64", env=cached_env)
   line = _one_line_error(result)
   assert line.startswith("error: model.embed_dim:") and "32" in line, line
   assert _snapshot(run) == before  # config.json and checkpoints untouched
 
 
 def test_resuming_with_other_hyperparameters_is_refused(smoke_run, tmp_path,
-                                                        cached_env):
+                                                        data_dir, cached_env):
   """Only how long, how often and where may change on resume; other
   settings would leave a config.json describing a run that never ran."""
-  run, cmd = _copy_of(smoke_run, tmp_path)
+  run, args = _copy_of(smoke_run, tmp_path, data_dir)
   before = _snapshot(run)
-  result = subprocess.run(cmd + ["--config.optim.weight_decay=0.5",
-                                 "--config.seed=3"], capture_output=True,
-                          text=True, timeout=300, env=cached_env)
+  result = train_cli(*args, "--config.optim.weight_decay=0.5",
+                     "--config.seed=3", env=cached_env)
   line = _one_line_error(result)
   assert line == (f"error: {run} holds a run configured"
                   " otherwise: optim.weight_decay (0.01 -> 0.5), seed (0 ->"
@@ -119,11 +115,11 @@ def test_resuming_with_other_hyperparameters_is_refused(smoke_run, tmp_path,
 
 
 def test_checkpoints_without_config_json_are_refused_untouched(
-    smoke_run, tmp_path, cached_env):
+    smoke_run, tmp_path, data_dir, cached_env):
   """A GRPO command on checkpoints that lost their config.json: refused
   before it writes a config.json of its own (which would then lock the
   original command out)."""
-  run, _ = _copy_of(smoke_run, tmp_path)
+  run, _ = _copy_of(smoke_run, tmp_path, data_dir)
   os.remove(run / "config.json")
   before = _snapshot(run)
   result = train_cli(f"--config={ROOT}/configs/grpo.py:smoke",
@@ -164,12 +160,11 @@ def test_diverging_run_stops_with_exit_2(tmp_path, data_dir, cached_env):
   is not finite and is skipped (the parameters never hold it), and two in
   a row stop the run."""
   run = tmp_path / "run"
-  result = subprocess.run(
-      pretrain_smoke_command(run, data_dir) + [
-          "--config.optim.learning_rate=1e30",
-          "--config.train.max_consecutive_skips=2",
-          "--config.train.log_every=1", "--config.train.eval_every=0"],
-      capture_output=True, text=True, timeout=300, env=cached_env, cwd=ROOT)
+  result = train_cli(*pretrain_smoke_args(run, data_dir),
+                     "--config.optim.learning_rate=1e30",
+                     "--config.train.max_consecutive_skips=2",
+                     "--config.train.log_every=1",
+                     "--config.train.eval_every=0", env=cached_env)
   assert result.returncode == 2 and "Traceback" not in result.stderr
   line = result.stderr.strip().splitlines()[-1]  # after the progress bar
   assert line.startswith("error: step 3: the update was skipped 2 steps in a"
@@ -212,9 +207,8 @@ def test_a_failed_save_is_one_line_and_exits_promptly(tmp_path, data_dir,
                     capture_output=True).returncode:
     pytest.skip("chattr +i is not available here")
   try:
-    result = subprocess.run(pretrain_smoke_command(run, data_dir),
-                            capture_output=True, text=True, timeout=120,
-                            env=cached_env, cwd=ROOT)
+    result = train_cli(*pretrain_smoke_args(run, data_dir), env=cached_env,
+                       timeout=120)
   finally:
     subprocess.run(["chattr", "-i", str(run / "ckpt")], check=True)
   assert result.returncode == 2 and "Traceback" not in result.stderr

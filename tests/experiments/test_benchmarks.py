@@ -7,15 +7,13 @@ import json
 from conftest import ROOT, run_experiment, train_cli
 
 
-
-
-
 def test_bench_step_smoke():
   # The accelerator settings: bfloat16, remat, blocked attention.
-  result = run_experiment("bench_step.py", "--preset=micro", "--rows=2", "--length=8",
-                "--decode_batch=2", "--prompt_len=4", "--new_tokens=2",
-                "--peak_size=64", "--dtype=bfloat16", "--remat", "--chunk=4",
-                "--attention=cudnn", "--repeats=2")
+  result = run_experiment("bench_step.py", "--preset=micro", "--rows=2",
+                          "--length=8", "--decode_batch=2", "--prompt_len=4",
+                          "--new_tokens=2", "--peak_size=64",
+                          "--dtype=bfloat16", "--remat", "--chunk=4",
+                          "--attention=cudnn", "--repeats=2")
   assert result.returncode == 0, result.stderr[-3000:]
   assert ("dtype=bfloat16 remat=True chunk=4 attention=cudnn"
           in result.stdout)
@@ -25,15 +23,16 @@ def test_bench_step_smoke():
 
 
 def test_bench_ops_smoke():
-  result = run_experiment("bench_ops.py", "--n=64", "--d=16", "--v=128", "--repeats=1")
+  result = run_experiment("bench_ops.py", "--n=64", "--d=16", "--v=128",
+                          "--repeats=1")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "max rel err" in result.stdout and '"memory_ratio"' in result.stdout
 
 
 def test_bench_sampler_smoke(tmp_path):
   out = tmp_path / "sampler.json"
-  result = run_experiment("bench_sampler.py", "--size=smoke", "--repeats=1", "--chunk=4",
-                "--cpu_devices=2", f"--json={out}")
+  result = run_experiment("bench_sampler.py", "--size=smoke", "--repeats=1",
+                          "--chunk=4", "--cpu_devices=2", f"--json={out}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "devices=2" in result.stdout
   assert result.stdout.strip().splitlines()[-1].startswith(
@@ -44,9 +43,11 @@ def test_bench_sampler_smoke(tmp_path):
 
 def test_bench_mopd_smoke(tmp_path, data_dir, smoke_run):
   out = tmp_path / "mopd.json"
-  result = run_experiment("bench_mopd.py", "--steps=3", f"--out={tmp_path / 'runs'}",
-                f"--data_dir={data_dir}", f"--json={out}",
-                f"--base={smoke_run[0]}", "--teachers=2", "--cpu_devices=2")
+  result = run_experiment("bench_mopd.py", "--steps=3",
+                          f"--out={tmp_path / 'runs'}",
+                          f"--data_dir={data_dir}", f"--json={out}",
+                          f"--base={smoke_run[0]}", "--teachers=2",
+                          "--cpu_devices=2")
   assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
   assert "ratio per completion token (TRL / ours)" in (
       result.stdout.strip().splitlines()[-1])
@@ -71,16 +72,18 @@ def test_bench_real_model_and_real_data_smoke(tmp_path):
       head_dim=8)).to(torch.float32)
   model.save_pretrained(tmp_path / "hf")
   save_tokenizer(tmp_path / "hf")
-  result = run_experiment("real_data.py", f"--out={tmp_path / 'data'}", "--n=40")
+  result = run_experiment("real_data.py", f"--out={tmp_path / 'data'}",
+                          "--n=40")
   assert result.returncode == 0, result.stderr[-3000:]
   sums = tmp_path / "data" / "sums.jsonl"
   assert len(sums.read_text().splitlines()) == 40
   out = tmp_path / "real.json"
   result = run_experiment("bench_real_model.py", f"--model={tmp_path / 'hf'}",
-                "--batches=2", "--new=3", "--repeats=1", "--train_rows=2",
-                "--prompt_tokens=8,16", f"--eval_file={sums}",
-                "--eval_new=3", "--eval_prompts=2", f"--json={out}",
-                "--attention_chunk=4")
+                          "--batches=2", "--new=3", "--repeats=1",
+                          "--train_rows=2", "--prompt_tokens=8,16",
+                          f"--eval_file={sums}", "--eval_new=3",
+                          "--eval_prompts=2", f"--json={out}",
+                          "--attention_chunk=4")
   assert result.returncode == 0, result.stderr[-3000:]
   figures = json.loads(out.read_text())
   for key in ("sample_b2", "train_step", "sample_b2_chunk4",
@@ -99,10 +102,10 @@ def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
   state, so it ends with the same parameters and metrics."""
   import shutil
   out = tmp_path / "bench"
-  result = run_experiment("bench_async.py", "--steps=4", f"--out={out}",
-                f"--data_dir={data_dir}", f"--base={smoke_run[0]}",
-                "--variant=smoke", f"--json={tmp_path / 'async.json'}",
-                env=cached_env)  # the re-run loads what the run compiled
+  result = run_experiment(  # the re-run loads what the run compiled
+      "bench_async.py", "--steps=4", f"--out={out}", f"--data_dir={data_dir}",
+      f"--base={smoke_run[0]}", "--variant=smoke",
+      f"--json={tmp_path / 'async.json'}", env=cached_env)
   assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
   assert "ratio sync / async per step" in result.stdout.splitlines()[-1]
   figures = json.loads((tmp_path / "async.json").read_text())
@@ -135,10 +138,10 @@ def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
 
 
 def test_bench_length_buckets_smoke():
-  result = run_experiment("bench_length_buckets.py", "--preset=micro", "--rows=8",
-                "--width=16", "--prompt_len=4", "--long=12",
-                "--minibatches=1", "--epochs=1", "--buckets=2",
-                "--repeats=1")
+  result = run_experiment("bench_length_buckets.py", "--preset=micro",
+                          "--rows=8", "--width=16", "--prompt_len=4",
+                          "--long=12", "--minibatches=1", "--epochs=1",
+                          "--buckets=2", "--repeats=1")
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   assert lines[-1].startswith("ratio (1 part / 2 parts)")
@@ -146,8 +149,9 @@ def test_bench_length_buckets_smoke():
 
 
 def test_bench_sampling_budgets_smoke():
-  result = run_experiment("bench_sampling_budgets.py", "--preset=micro", "--rows=8",
-                "--prompt_len=4", "--short=2", "--long=8", "--repeats=1")
+  result = run_experiment("bench_sampling_budgets.py", "--preset=micro",
+                          "--rows=8", "--prompt_len=4", "--short=2",
+                          "--long=8", "--repeats=1")
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip().splitlines()[-1].startswith(
       "ratio (one call / by budget)")
