@@ -4,7 +4,7 @@ same weights, in one process (e.g. SmolLM2-135M-Instruct).
     python experiments/bench_real_model.py --model=HF_DIR \
         [--batches=16,64] [--new=128] [--repeats=3] [--cpu_devices=2] \
         [--eval_file=sums.jsonl] [--train_rows=8] [--json=out.json] \
-        [--attention_chunk=128]
+        [--attention_chunk=128] [--unscanned]
 
 Prints, each against its baseline in this one run:
 * **sampling**: ours (``sampler.sample``) against transformers' ``generate``
@@ -21,7 +21,9 @@ Prints, each against its baseline in this one run:
   ``logits_to_keep`` as TRL's trainers call it);
 * with ``--attention_chunk=N``, both of those also with our blocked
   attention (``model.attention_chunk``: keys in blocks of ``N``, flash
-  attention's backward pass), in the same interleaved rounds;
+  attention's backward pass), in the same interleaved rounds; with
+  ``--unscanned``, likewise with the layers run as a loop instead of one
+  scan (``model.scan_layers=False``);
 * **evaluate end to end** (with ``--eval_file``, a ``math`` JSONL; its
   first ``--eval_prompts`` test-split records): the wall time of
   ``python -m mopd_jax.evaluate --run=HF_DIR`` (imports, conversion,
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -136,11 +139,13 @@ def our_train_step(cfg, params, tokens, prompt_len: int):
   from mopd_jax.ops import vocab
   from mopd_jax.rollout import sampler
   optimizer = optax.adamw(1e-6)
-  state = [params, optimizer.init(params)]
+  # a copy of its own: the step donates its state, as the project's
+  # updates do
+  state = [jax.tree.map(jnp.copy, params), optimizer.init(params)]
   prompt, completion = jnp.split(jnp.asarray(tokens), [prompt_len], axis=1)
   ones = (jnp.ones_like(prompt), jnp.ones_like(completion))
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt):
     def loss_fn(p):
       h = sampler.completion_hidden(p, cfg, prompt, ones[0], completion,
@@ -262,6 +267,8 @@ def main(argv=None):
                       help="test-split records of --eval_file evaluated")
   parser.add_argument("--attention_chunk", type=int, default=0,
                       help="also time ours with blocked attention")
+  parser.add_argument("--unscanned", action="store_true",
+                      help="also time ours with model.scan_layers=False")
   parser.add_argument("--json", default="")
   parser.add_argument("--transformers_eval_loop", action="store_true",
                       help=argparse.SUPPRESS)
@@ -292,6 +299,8 @@ def main(argv=None):
     if args.attention_chunk:
       ours_cfgs[f"_chunk{args.attention_chunk}"] = dataclasses.replace(
           cfg, attention_chunk=args.attention_chunk)
+    if args.unscanned:
+      ours_cfgs["_unscanned"] = dataclasses.replace(cfg, scan_layers=False)
     for batch in [int(b) for b in args.batches.split(",") if b]:
       ids, mask = left_padded(chat_prompts(tok, batch, low, high),
                               tok.pad_id)

@@ -53,7 +53,8 @@ def define_flags() -> None:
       "settings", None, "A config (e.g. configs/mix_rl.py:hf) whose seed,"
       " data, sampling, eval and mesh sections evaluate a run that has none"
       " (an imported checkpoint), and whose execution fields (model.dtype,"
-      " remat, attention_chunk, attention_impl) any run is computed with;"
+      " remat, attention_chunk, attention_impl, scan_layers) any run is"
+      " computed with;"
       " overrides as"
       " --settings.data.max_prompt_len=1024.", lock_config=True)
   flags.mark_flags_as_required(["run"])

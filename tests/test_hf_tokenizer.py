@@ -89,18 +89,20 @@ def test_a_checkpoint_with_its_own_tokenizer_end_to_end(tmp_path, smoke_run,
 
   # Trained as the :hf variants train real checkpoints: bfloat16 over
   # float32 weights, remat, blocked attention (prefill, cached decode and
-  # flash backward).
+  # flash backward); the layers as a loop, not a scan.
   expert = tmp_path / "expert"
   result = train_cli(f"--config={ROOT}/configs/grpo.py:smoke",
                      "--config.domain=add", f"--config.init={base}",
                      "--config.model.dtype=bfloat16",
                      "--config.model.remat=True",
                      "--config.model.attention_chunk=8",
+                     "--config.model.scan_layers=False",
                      f"--workdir={expert}", f"--config.data.data_dir={data_dir}")
   assert result.returncode == 0, result.stderr[-3000:]
   model = json.load(open(expert / "config.json"))["model"]
   assert (model["dtype"], model["remat"], model["attention_chunk"],
-          model["embed_dim"]) == ("bfloat16", True, 8, 32)
+          model["scan_layers"], model["embed_dim"]) == ("bfloat16", True, 8,
+                                                        False, 32)
   assert os.path.exists(expert / "tokenizer.json")
   assert json.load(open(expert / "config.json"))["tokenizer"] == fingerprint
   # The imported run (whose config holds only its model and tokenizer)

@@ -5,7 +5,8 @@ boxes naming each axis (``vocab``, ``embed``, ``heads``, ...); ``nn.unbox``
 gives the plain arrays that ``apply`` takes and that Merge adds and subtracts,
 ``nn.get_partition_spec`` gives the logical layout that ``parallel`` maps onto a
 mesh. Layers are stacked on a leading ``layers`` axis and run with
-``lax.scan`` so compile time does not grow with depth.
+``lax.scan`` so compile time does not grow with depth, or, with
+``scan_layers`` off, as a loop over the layers sliced out once.
 
 Batches are described by ``segment_ids`` (0 = padding, equal ids = one
 sequence, so packed and padded batches are handled alike) and ``positions``
@@ -533,13 +534,22 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
                 jnp.arange(cache.segment_ids.shape[1]))
 
   if cache is None:
-    def body(x, p):
-      return _layer(cfg, x, p, positions, span, None, None)[0], None
+    def layer(x, p):
+      return _layer(cfg, x, p, positions, span, None, None)[0]
 
+    layers = params["layers"]
+    unrolled = isinstance(layers, (list, tuple)) or not cfg.scan_layers
     if cfg.remat:
-      # Keeps only each layer's input for the backward pass.
-      body = jax.checkpoint(body, prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, params["layers"])
+      # Keeps only each layer's input for the backward pass (inside a
+      # scan, XLA's CSE cannot merge the recomputation away).
+      layer = jax.checkpoint(layer, prevent_cse=unrolled)
+    if unrolled:
+      if not isinstance(layers, (list, tuple)):
+        layers = split_layers(layers, cfg.num_layers)
+      for p in layers:
+        x = layer(x, p)
+    else:
+      x, _ = jax.lax.scan(lambda x, p: (layer(x, p), None), x, layers)
     return rms_norm(x, params["final_norm"], cfg.norm_eps), None
 
   def cached_body(carry, layer):
@@ -562,15 +572,35 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
   return x, KVCache(k, v, kv_segments, index + T)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def split_layers(layers: Params, num_layers: int) -> list:
+  """The stacked ``[L, ...]`` layer tree as a list of ``L`` per-layer trees
+  (one copy of the layers' parameters while it lives). Its derivative
+  stacks the layers' gradients back into one array per weight, which
+  XLA:CPU ran faster than the derivative of ``L`` slices (SmolLM2-135M's
+  gradient: docs/performance.md)."""
+  return [jax.tree.map(lambda a, i=i: a[i], layers)
+          for i in range(num_layers)]
+
+
+def _split_layers_fwd(layers, num_layers):
+  return split_layers(layers, num_layers), None
+
+
+def _split_layers_bwd(num_layers, _, grads):
+  del num_layers
+  return (jax.tree.map(lambda *g: jnp.stack(g), *grads),)
+
+
+split_layers.defvjp(_split_layers_fwd, _split_layers_bwd)
+
+
 def unstack_layers(params: Params, num_layers: int) -> Params:
   """``params`` with its stacked layers as a list of per-layer trees: a
   loop that runs many cached steps (the sampler's decode) takes each
   layer's weights as its own buffer, where a scan over the stacked arrays
-  copies every layer's weights out of them at every step. Costs one copy
-  of the layers' parameters while it lives."""
-  layers = [jax.tree.map(lambda a, i=i: a[i], params["layers"])
-            for i in range(num_layers)]
-  return dict(params, layers=layers)
+  copies every layer's weights out of them at every step."""
+  return dict(params, layers=split_layers(params["layers"], num_layers))
 
 
 def unstack_cache(cache: KVCache) -> KVCache:

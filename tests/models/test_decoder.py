@@ -258,6 +258,46 @@ def test_remat_keeps_gradients_and_saves_activation_memory():
   assert temp[True] < 0.7 * temp[False], temp
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_unscanned_layers_equal_the_scan_with_gradients(remat):
+  """``scan_layers=False`` (a loop over the layers sliced out once) gives
+  the scan's hidden states and gradients, and ``split_layers``' written-out
+  derivative (the layers' gradients stacked) equals autodiff's of the
+  slices."""
+  base = ModelConfig(vocab_size=40, embed_dim=32, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=8, mlp_dim=64, remat=remat)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 40, (2, 19)))
+  segments = jnp.asarray(np.r_[[[0] * 4 + [1] * 15], [[1] * 10 + [2] * 9]])
+  params = _random_params(base)
+
+  def loss(p, cfg):
+    h, _ = decoder.hidden_states(p, cfg, tokens, segments)
+    return _weighted_sum(h, (segments != 0)[..., None])
+
+  got = {scan: jax.jit(jax.value_and_grad(functools.partial(
+      loss, cfg=dataclasses.replace(base, scan_layers=scan))))(params)
+         for scan in (True, False)}
+  for a, b in zip(jax.tree.leaves(got[False]), jax.tree.leaves(got[True])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
+                               atol=2e-5)
+
+  def sliced(layers):  # autodiff's derivative of the slices
+    return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(3)]
+
+  def weighted(split):
+    return lambda layers: sum(
+        jnp.sum(leaf * (i + 1) * jnp.cos(leaf))
+        for i, layer in enumerate(split(layers))
+        for leaf in jax.tree.leaves(layer))
+
+  mine = jax.grad(weighted(lambda l: decoder.split_layers(l, 3)))(
+      params["layers"])
+  ref = jax.grad(weighted(sliced))(params["layers"])
+  for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(ref)):
+    assert a.shape == b.shape and a.shape[0] == 3
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
 def _packed_case():
   """Packed, left-padded rows with grouped queries (23 keys), and a loss
   over the real rows' outputs (padding rows are arbitrary)."""

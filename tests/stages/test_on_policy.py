@@ -83,12 +83,14 @@ def test_step_advances_the_state_and_reports_every_domain(
 
 
 def test_a_run_from_init_keeps_its_own_execution_fields(smoke_run, data_dir):
-  """The architecture comes from ``init``; bfloat16, remat and blocked
-  attention asked for on this run's command line are not overwritten, and
+  """The architecture comes from ``init``; bfloat16, remat, blocked
+  attention and unscanned layers asked for on this run's command line are
+  not overwritten, and
   an architecture field is not this run's to set."""
   config = load_config("mix_rl", "smoke")
   config.update(init=str(smoke_run[0]))
-  config.model.update(dtype="bfloat16", remat=True, attention_chunk=16)
+  config.model.update(dtype="bfloat16", remat=True, attention_chunk=16,
+                      scan_layers=False)
   config.data.data_dir = data_dir
   config = stages.validate(config)
   runs.resolve_model(config)
@@ -96,7 +98,8 @@ def test_a_run_from_init_keeps_its_own_execution_fields(smoke_run, data_dir):
   assert config.model.embed_dim == base.embed_dim
   assert config.model.num_layers == base.num_layers
   assert (config.model.dtype, config.model.remat,
-          config.model.attention_chunk) == ("bfloat16", True, 16)
+          config.model.attention_chunk, config.model.scan_layers) == (
+              "bfloat16", True, 16, False)
   other = load_config("mix_rl", "smoke")
   other.update(init=str(smoke_run[0]))
   other.model.embed_dim = 64
