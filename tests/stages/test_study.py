@@ -485,6 +485,8 @@ def test_the_imbalanced_study_has_the_papers_conditions(variant):
   base = study.child_config("pretrain")
   assert base.data.domains == ("derive", "instruct", "reverse")
   mopd = study.child_config("mopd", init="b", teachers=study.template)
+  # every model's layers as a loop (the variant's budget)
+  assert not base.model.scan_layers and not mopd.model.scan_layers
   assert mopd.rl.epochs == 2 and mopd.rl.minibatches == (
       2 if variant.startswith("smoke") else 4)
   # the full size's updates in parts by length (the same steps, less
