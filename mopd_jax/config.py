@@ -198,7 +198,8 @@ def common(method: str, init: bool) -> ml_collections.ConfigDict:
   if init:
     c.init = ""  # workdir of the run to start from (the base model)
     # How that run's architecture is computed here (bfloat16, remat,
-    # blocked attention); the rest of ``model`` comes with its weights.
+    # blocked attention, the layer loop); the rest of ``model`` comes with
+    # its weights.
     c.model = model(EXECUTION_FIELDS)
   else:
     c.model = model()

@@ -128,7 +128,8 @@ def resolve_model(config) -> None:
   """Give a stage that starts from ``config.init`` that run's architecture
   (the ``model`` section comes with the weights), so its own config.json
   names the model too; how it is computed (``EXECUTION_FIELDS``: bfloat16,
-  remat, blocked attention, the attention kernel) stays this run's choice.
+  remat, blocked attention, the attention kernel, the layer loop) stays
+  this run's choice.
   The run must share this run's token ids."""
   if "init" in config and config.init:
     run_config = load_run_config(config.init)

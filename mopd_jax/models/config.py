@@ -27,8 +27,10 @@ class ModelConfig:
   ``scan_layers`` runs the layers as one ``lax.scan`` over their stacked
   weights (compile time independent of depth); off, as a loop over the
   layers sliced out once, which compiles each layer but keeps no stacked
-  activations for the backward pass (the gradient of SmolLM2-135M on a
-  2-core CPU: 1.1-1.2x faster, docs/performance.md).
+  activations for the backward pass (on a 2-core CPU the gradient of
+  SmolLM2-135M ran 1.1-1.2x faster, the built-in model's 1.2-1.4x,
+  docs/performance.md); the layers' slices and their separate gradients
+  cost up to one more copy of the layers' weights and gradients.
   ``max_positions`` is the longest sequence the model was trained on
   (Hugging Face's ``max_position_embeddings``; 0: none stated): RoPE
   computes any position, but past that one the outputs mean nothing, so
@@ -106,7 +108,7 @@ EXECUTION_FIELDS = ("remat", "attention_chunk", "attention_impl", "dtype",
 def with_execution(cfg: ModelConfig, like: ModelConfig) -> ModelConfig:
   """``cfg``'s architecture computed as ``like`` says (its
   ``EXECUTION_FIELDS``): a teacher runs in the student's run's precision,
-  remat and attention."""
+  remat, attention and layer loop."""
   return dataclasses.replace(
       cfg, **{k: getattr(like, k) for k in EXECUTION_FIELDS})
 

@@ -545,7 +545,8 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
       layer = jax.checkpoint(layer, prevent_cse=unrolled)
     if unrolled:
       if not isinstance(layers, (list, tuple)):
-        layers = split_layers(layers, cfg.num_layers)
+        # as many as the stacked arrays hold, as the scan would run
+        layers = split_layers(layers, jax.tree.leaves(layers)[0].shape[0])
       for p in layers:
         x = layer(x, p)
     else:

@@ -83,11 +83,11 @@ def test_bench_real_model_and_real_data_smoke(tmp_path):
                           "--train_rows=2", "--prompt_tokens=8,16",
                           f"--eval_file={sums}", "--eval_new=3",
                           "--eval_prompts=2", f"--json={out}",
-                          "--attention_chunk=4")
+                          "--attention_chunk=4", "--unscanned")
   assert result.returncode == 0, result.stderr[-3000:]
   figures = json.loads(out.read_text())
   for key in ("sample_b2", "train_step", "sample_b2_chunk4",
-              "train_step_chunk4", "evaluate"):
+              "train_step_chunk4", "train_step_unscanned", "evaluate"):
     assert figures[key]["ratio"] > 0, key
   assert figures["evaluate"]["prompts"] == 2  # test-split records only
   assert figures["sample_b2"]["first_call_s"] > 0
