@@ -268,7 +268,8 @@ def main(argv=None):
   parser.add_argument("--attention_chunk", type=int, default=0,
                       help="also time ours with blocked attention")
   parser.add_argument("--unscanned", action="store_true",
-                      help="also time ours with model.scan_layers=False")
+                      help="also time our train step with"
+                      " model.scan_layers=False")
   parser.add_argument("--json", default="")
   parser.add_argument("--transformers_eval_loop", action="store_true",
                       help=argparse.SUPPRESS)

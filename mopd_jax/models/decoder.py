@@ -538,15 +538,15 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: jax.Array,
       return _layer(cfg, x, p, positions, span, None, None)[0]
 
     layers = params["layers"]
-    unrolled = isinstance(layers, (list, tuple)) or not cfg.scan_layers
+    if not cfg.scan_layers and not isinstance(layers, (list, tuple)):
+      # as many as the stacked arrays hold, as the scan would run
+      layers = split_layers(layers, jax.tree.leaves(layers)[0].shape[0])
+    unrolled = isinstance(layers, (list, tuple))
     if cfg.remat:
       # Keeps only each layer's input for the backward pass (inside a
       # scan, XLA's CSE cannot merge the recomputation away).
       layer = jax.checkpoint(layer, prevent_cse=unrolled)
     if unrolled:
-      if not isinstance(layers, (list, tuple)):
-        # as many as the stacked arrays hold, as the scan would run
-        layers = split_layers(layers, jax.tree.leaves(layers)[0].shape[0])
       for p in layers:
         x = layer(x, p)
     else:
