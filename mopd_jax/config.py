@@ -245,8 +245,12 @@ def training(c: ml_collections.ConfigDict, steps: int, rl: bool) -> None:
   c.checkpoint = ml_collections.ConfigDict(dict(every=25 if rl else 250,
                                                 keep=2))
   # The fused vocabulary ops of every loss: auto (Pallas on TPU, XLA
-  # elsewhere) | xla | pallas; block_v: vocabulary tile (0: the op's default).
-  c.ops = ml_collections.ConfigDict(dict(impl="auto", block_v=0))
+  # elsewhere) | xla | pallas; block_v: vocabulary tile (0: the op's default);
+  # keep_logits_mib: logits a call keeps for its backward pass instead of
+  # recomputing them (XLA only; 0: never; -1: the backend's default, 1024
+  # on CPU, 0 on accelerators; see ops/vocab.py).
+  c.ops = ml_collections.ConfigDict(dict(impl="auto", block_v=0,
+                                         keep_logits_mib=-1))
 
 
 TRAINING_CHECKS: Checks = (
@@ -268,6 +272,8 @@ TRAINING_CHECKS: Checks = (
     ("checkpoint.keep", positive, "> 0"),
     ("ops.impl", lambda v: v in vocab.IMPLS, ", ".join(vocab.IMPLS)),
     ("ops.block_v", non_negative, ">= 0 (0: the op's default)"),
+    ("ops.keep_logits_mib", lambda v: v >= -1,
+     ">= -1 (-1: the backend's default, 0: never)"),
 )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -46,15 +47,24 @@ class VocabOps:
   """How every fused vocabulary op runs: ``impl`` and the tiles (module
   docstring). Built once from a run's ``ops`` section (``of``) and passed
   unchanged to the kernels; frozen, so it hashes as a static jit
-  argument."""
+  argument. ``keep_logits_mib``: the most MiB of logits one call keeps for
+  its backward pass instead of recomputing them (XLA path only; 0: always
+  recompute; negative: ``KEEP_LOGITS_MIB`` of the backend)."""
   impl: str = "auto"
   block_v: int | None = None
   block_n: int | None = None
+  keep_logits_mib: int = -1
 
   @classmethod
   def of(cls, section) -> "VocabOps":
-    """From a config's ``ops`` section (``block_v`` 0: the default)."""
-    return cls(impl=section.impl, block_v=section.block_v or None)
+    """From a config's ``ops`` section (``block_v`` 0: the default; a run
+    written before ``keep_logits_mib`` existed gets its default)."""
+    return cls(impl=section.impl, block_v=section.block_v or None,
+               keep_logits_mib=section.get("keep_logits_mib", -1))
+
+
+# keep_logits_mib's default per backend (module docstring)
+KEEP_LOGITS_MIB = {"cpu": 1024}
 
 
 DEFAULT_OPS = VocabOps()
@@ -67,6 +77,7 @@ class _Config(NamedTuple):
   block_v: int | None
   scale: float
   teacher_scale: float
+  keep_bytes: int  # the most bytes of logits kept for the backward pass
 
   def op(self, name: str):
     """The ``impl``'s function ``name`` with tiling and scales bound."""
@@ -93,8 +104,36 @@ def resolve_impl(impl: str) -> str:
 
 def _config(ops: VocabOps, scale, teacher_scale=None) -> _Config:
   teacher_scale = scale if teacher_scale is None else teacher_scale
-  return _Config(resolve_impl(ops.impl), ops.block_n, ops.block_v,
-                 float(scale), float(teacher_scale))
+  impl = resolve_impl(ops.impl)
+  mib = ops.keep_logits_mib
+  if mib < 0:
+    mib = KEEP_LOGITS_MIB.get(jax.default_backend(), 0)
+  return _Config(impl, ops.block_n, ops.block_v, float(scale),
+                 float(teacher_scale), mib << 20 if impl == "xla" else 0)
+
+
+def tile_bytes(n: int, v: int, cfg: _Config, arrays: int) -> int:
+  """Bytes of ``arrays`` float32 logits of ``n`` rows over ``v`` columns as
+  the XLA path keeps them (whole tiles)."""
+  return 4 * arrays * math.prod(vocab_xla.tile_shape(n, v, cfg.block_v))
+
+
+def _stats(cfg: _Config, name: str, arrays: int, *args):
+  """``cfg``'s statistics op ``name`` on ``args`` (rows ``args[0]``, the
+  unembedding ``args[1]``), with one more output: the ``arrays`` logits it
+  kept for the backward pass where they fit ``cfg.keep_bytes``, else
+  None."""
+  if tile_bytes(len(args[0]), args[1].shape[1], cfg, arrays) <= cfg.keep_bytes:
+    return cfg.op(name)(*args, keep=True)
+  return cfg.op(name)(*args) + (None,)
+
+
+def _grads(cfg: _Config, name: str, kept, *args):
+  """``cfg``'s gradient op ``name`` on ``args``, reading ``kept`` logits
+  (``_stats``') instead of recomputing them where there are some."""
+  if kept is None:
+    return cfg.op(name)(*args)
+  return cfg.op(name)(*args, kept=kept)
 
 
 def _rows(h, mask):
@@ -128,26 +167,29 @@ def _columns(w, targets):
   return jnp.take(parallel.constrain(w, (None, None)), targets, axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _logprobs(h, w, targets, lse, entropy, cfg: _Config):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _logprobs(h, w, targets, lse, entropy, kept, cfg: _Config):
   """``(z_y - lse, entropy)``, ``lse`` and ``entropy`` precomputed ``[N, 1]``.
 
   The forward only gathers the ``K`` target logits; the backward recomputes
-  the tiles for ``d lse`` (and ``d H`` unless ``entropy`` is None).
+  the tiles (or reads the ``kept`` ones) for ``d lse`` (and ``d H`` unless
+  ``entropy`` is None).
   """
+  del kept
   return _picked(h, w, targets, cfg.scale) - lse, entropy
 
 
-def _logprobs_fwd(h, w, targets, lse, entropy, cfg):
-  out = _logprobs(h, w, targets, lse, entropy, cfg)
-  return out, (h, w, targets, lse, entropy)
+def _logprobs_fwd(h, w, targets, lse, entropy, kept, cfg):
+  out = _logprobs(h, w, targets, lse, entropy, kept, cfg)
+  return out, (h, w, targets, lse, entropy, kept)
 
 
 def _logprobs_bwd(cfg, res, cotangents):
-  h, w, targets, lse, entropy = res
+  h, w, targets, lse, entropy, kept = res
   g_logp, g_entropy = cotangents
   g_lse = -jnp.sum(g_logp, axis=1, keepdims=True)
-  dh, dw = cfg.op("lse_grads")(h, w, lse, entropy, g_lse, g_entropy)
+  dh, dw = _grads(cfg, "lse_grads", kept, h, w, lse, entropy, g_lse,
+                  g_entropy)
   # The gathered logits: d z_y / d h = scale w[:, y], d z_y / d w[:, y] = scale h.
   g = cfg.scale * g_logp
   dh = dh + jnp.einsum("nk,dnk->nd", g, _columns(w, targets),
@@ -158,7 +200,7 @@ def _logprobs_bwd(cfg, res, cotangents):
                                  preferred_element_type=jnp.float32))
   zero = None if entropy is None else jnp.zeros_like(entropy)
   return (dh.astype(h.dtype), dw.astype(w.dtype), None, jnp.zeros_like(lse),
-          zero)
+          zero, None)
 
 
 _logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
@@ -196,10 +238,11 @@ def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *,
   flat_targets = targets.reshape(len(rows), -1)
   if keep is not None:
     flat_targets = jnp.where(keep[:, None], flat_targets, 0)
-  lse, entropy = cfg.op("lse_stats")(jax.lax.stop_gradient(rows),
-                                     jax.lax.stop_gradient(w))
+  lse, entropy, kept = _stats(cfg, "lse_stats", 1,
+                              jax.lax.stop_gradient(rows),
+                              jax.lax.stop_gradient(w))
   logp, entropy = _logprobs(rows, w, flat_targets, lse,
-                            entropy if with_entropy else None, cfg)
+                            entropy if with_entropy else None, kept, cfg)
   logp = _masked(logp, keep, targets.shape)
   if not with_entropy:
     return logp
@@ -234,7 +277,7 @@ def topk_logprobs(h: jax.Array, w: jax.Array, k: int, *,
   _, ids, lse = vocab_xla.topk(jax.lax.stop_gradient(rows),
                                jax.lax.stop_gradient(w), k, scale=cfg.scale,
                                block_v=cfg.block_v)
-  logp, _ = _logprobs(rows, w, ids, lse, None, cfg)
+  logp, _ = _logprobs(rows, w, ids, lse, None, None, cfg)
   shape = h.shape[:-1] + (k,)
   return _masked(logp, keep, shape), _masked(ids, keep, shape)
 
@@ -250,25 +293,26 @@ class VocabKL(NamedTuple):
     return alpha * self.forward + (1 - alpha) * self.reverse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _kl(hs, ws, ht, wt, lse_s, lse_t, reverse, forward, cfg: _Config):
-  """``(reverse, forward)`` precomputed; attaches their student gradients."""
-  del hs, ws, ht, wt, lse_s, lse_t
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _kl(hs, ws, ht, wt, lse_s, lse_t, reverse, forward, kept, cfg: _Config):
+  """``(reverse, forward)`` precomputed; attaches their student gradients
+  (from the ``kept`` logits where there are some)."""
+  del hs, ws, ht, wt, lse_s, lse_t, kept
   return reverse, forward
 
 
-def _kl_fwd(hs, ws, ht, wt, lse_s, lse_t, reverse, forward, cfg):
-  return (reverse, forward), (hs, ws, ht, wt, lse_s, lse_t, reverse)
+def _kl_fwd(hs, ws, ht, wt, lse_s, lse_t, reverse, forward, kept, cfg):
+  return (reverse, forward), (hs, ws, ht, wt, lse_s, lse_t, reverse, kept)
 
 
 def _kl_bwd(cfg, res, cotangents):
-  hs, ws, ht, wt, lse_s, lse_t, reverse = res
+  hs, ws, ht, wt, lse_s, lse_t, reverse, kept = res
   g_reverse, g_forward = cotangents
-  dh, dw = cfg.op("kl_grads")(hs, ws, ht, wt, lse_s, lse_t, reverse,
-                              g_reverse, g_forward)
+  dh, dw = _grads(cfg, "kl_grads", kept, hs, ws, ht, wt, lse_s, lse_t,
+                  reverse, g_reverse, g_forward)
   zero = jnp.zeros_like(reverse)
   return (dh.astype(hs.dtype), dw.astype(ws.dtype), None, None, zero, zero,
-          zero, zero)
+          zero, zero, None)
 
 
 _kl.defvjp(_kl_fwd, _kl_bwd)
@@ -303,11 +347,11 @@ def vocab_kl(h: jax.Array, w: jax.Array, teacher_h: jax.Array,
   rows, keep = _rows(h, mask)
   teacher_rows, _ = _rows(jax.lax.stop_gradient(teacher_h), mask)
   teacher_w = jax.lax.stop_gradient(teacher_w)
-  lse_s, lse_t, reverse, forward, teacher_entropy = cfg.op("kl_stats")(
-      jax.lax.stop_gradient(rows), jax.lax.stop_gradient(w), teacher_rows,
-      teacher_w)
+  lse_s, lse_t, reverse, forward, teacher_entropy, kept = _stats(
+      cfg, "kl_stats", 2, jax.lax.stop_gradient(rows),
+      jax.lax.stop_gradient(w), teacher_rows, teacher_w)
   reverse, forward = _kl(rows, w, teacher_rows, teacher_w, lse_s, lse_t,
-                         reverse, forward, cfg)
+                         reverse, forward, kept, cfg)
   shape = h.shape[:-1]
   return VocabKL(*(_masked(x[:, 0], keep, shape)
                    for x in (reverse, forward, teacher_entropy)))

@@ -9,7 +9,12 @@ covered are masked to ``-inf``, so ``W`` is never padded or copied.
 
 Backward functions recompute each tile's logits from ``h`` and ``w`` and
 return float32 gradients ``(dh, dw)`` of the row statistics only; the caller
-(``vocab.py``) adds the gathered target terms.
+(``vocab.py``) adds the gathered target terms. With ``keep=True`` the
+statistics also return the tiles' logits they computed, stacked
+``[tiles, N, block_v]`` (``N * V`` floats, what materialised logits cost),
+and the backward functions given them as ``kept`` read them instead of
+recomputing: one matmul of the three per tile fewer, for memory
+(``vocab.VocabOps.keep_logits_mib`` decides).
 """
 
 from __future__ import annotations
@@ -22,11 +27,17 @@ from mopd_jax.ops import vocab_tiles as tiles
 BLOCK_V = 1024
 
 
+def tile_shape(n: int, v: int, block_v=None) -> tuple[int, int, int]:
+  """``[tiles, n, block_v]``: the shape of one array of kept logits."""
+  bv = min(block_v or BLOCK_V, v)
+  return -(-v // bv), n, bv
+
+
 def _loop(ws, block_v, body, init):
   """``fori_loop`` over the vocabulary tiles of the ``[d, V]`` arrays ``ws``.
 
-  ``body(start, valid, w_tiles, carry) -> carry``, where ``valid [1, bv]``
-  marks the columns that belong to this tile.
+  ``body(j, start, valid, w_tiles, carry) -> carry`` for tile ``j``, where
+  ``valid [1, bv]`` marks the columns that belong to this tile.
   """
   v = ws[0].shape[1]
   bv = min(block_v or BLOCK_V, v)
@@ -35,22 +46,42 @@ def _loop(ws, block_v, body, init):
     start = jnp.minimum(j * bv, v - bv)
     valid = (start + jnp.arange(bv) >= j * bv)[None, :]
     w_tiles = [jax.lax.dynamic_slice_in_dim(w, start, bv, axis=1) for w in ws]
-    return body(start, valid, w_tiles, carry)
+    return body(j, start, valid, w_tiles, carry)
 
   return jax.lax.fori_loop(0, -(-v // bv), step, init)
+
+
+def _kept_init(keep, n, v, block_v, count):
+  """``count`` zero buffers for the kept logits, or None without ``keep``."""
+  if not keep:
+    return None
+  return tuple(jnp.zeros(tile_shape(n, v, block_v), jnp.float32)
+               for _ in range(count))
+
+
+def _keep(kept, j, zs):
+  """The buffers ``kept`` with tile ``j`` of each set to ``zs``."""
+  if kept is None:
+    return None
+  return tuple(buf.at[j].set(z) for buf, z in zip(kept, zs))
+
+
+def _tile(kept, i, j, recompute):
+  """Tile ``j`` of the ``i``-th kept logits, else ``recompute()``."""
+  return recompute() if kept is None else kept[i][j]
 
 
 def _grads(h, w, others, block_v, cotangent):
   """``dh = G W^T`` and ``dw = h^T G`` in float32, tile by tile.
 
-  ``cotangent(valid, w_tile, other_tiles) -> G_tile``: the cotangent of the
-  tile's logits ``h @ w_tile`` (scale included); ``others`` are further
+  ``cotangent(j, valid, w_tile, other_tiles) -> G_tile``: the cotangent of
+  tile ``j``'s logits ``h @ w_tile`` (scale included); ``others`` are further
   ``[d', V]`` operands it needs (the teacher's unembedding).
   """
-  def body(start, valid, w_tiles, carry):
+  def body(j, start, valid, w_tiles, carry):
     dh, dw = carry
     wt = w_tiles[0]
-    g = cotangent(valid, wt, w_tiles[1:])
+    g = cotangent(j, valid, wt, w_tiles[1:])
     # The float32 cotangent meets the upcast inputs, as in JAX's own
     # autodiff of materialised logits: only dh and dw are rounded.
     dh = dh + jnp.dot(g, wt.T.astype(jnp.float32))
@@ -64,44 +95,63 @@ def _grads(h, w, others, block_v, cotangent):
   return _loop([w, *others], block_v, body, init)
 
 
-def lse_stats(h, w, *, scale, block_v=None):
-  """``(lse, entropy)`` of each row of ``z = scale * h @ w``, each ``[N, 1]``."""
-  def body(start, valid, w_tiles, stats):
-    return tiles.lse_update(stats, tiles.logits(h, w_tiles[0], scale, valid),
-                            valid)
+def lse_stats(h, w, *, scale, block_v=None, keep=False):
+  """``(lse, entropy)`` of each row of ``z = scale * h @ w``, each ``[N, 1]``;
+  with ``keep``, ``(lse, entropy, kept)``, ``kept`` the logits as a 1-tuple
+  of ``[tiles, N, block_v]``."""
+  def body(j, start, valid, w_tiles, carry):
+    stats, kept = carry
+    z = tiles.logits(h, w_tiles[0], scale, valid)
+    return tiles.lse_update(stats, z, valid), _keep(kept, j, (z,))
 
-  return tiles.lse_finish(_loop([w], block_v, body, tiles.lse_init(len(h))))
+  init = (tiles.lse_init(len(h)),
+          _kept_init(keep, len(h), w.shape[1], block_v, 1))
+  stats, kept = _loop([w], block_v, body, init)
+  return tiles.lse_finish(stats) + ((kept,) if keep else ())
 
 
-def lse_grads(h, w, lse, entropy, g_lse, g_entropy, *, scale, block_v=None):
+def lse_grads(h, w, lse, entropy, g_lse, g_entropy, *, scale, block_v=None,
+              kept=None):
   """Float32 ``(dh, dw)`` from the cotangents of ``lse`` and ``entropy``.
 
-  Row arrays are ``[N, 1]``; ``entropy`` and ``g_entropy`` may be None.
+  Row arrays are ``[N, 1]``; ``entropy`` and ``g_entropy`` may be None;
+  ``kept``: ``lse_stats(..., keep=True)``'s logits, read instead of
+  recomputed.
   """
-  def cotangent(valid, wt, _):
-    z = tiles.logits(h, wt, scale, valid)
+  def cotangent(j, valid, wt, _):
+    z = _tile(kept, 0, j, lambda: tiles.logits(h, wt, scale, valid))
     return scale * tiles.lse_cotangent(z, valid, lse, entropy, g_lse,
                                        g_entropy)
 
   return _grads(h, w, [], block_v, cotangent)
 
 
-def kl_stats(hs, ws, ht, wt, *, scale, teacher_scale, block_v=None):
-  """``(lse_s, lse_t, KL(pi||T), KL(T||pi), H(T))`` per row, each ``[N, 1]``."""
-  def body(start, valid, w_tiles, stats):
+def kl_stats(hs, ws, ht, wt, *, scale, teacher_scale, block_v=None,
+             keep=False):
+  """``(lse_s, lse_t, KL(pi||T), KL(T||pi), H(T))`` per row, each ``[N, 1]``;
+  with ``keep``, a sixth element: the student's and the teacher's logits,
+  each ``[tiles, N, block_v]``."""
+  def body(j, start, valid, w_tiles, carry):
+    stats, kept = carry
     zs = tiles.logits(hs, w_tiles[0], scale, valid)
     zt = tiles.logits(ht, w_tiles[1], teacher_scale, valid)
-    return tiles.kl_update(stats, zs, zt, valid)
+    return tiles.kl_update(stats, zs, zt, valid), _keep(kept, j, (zs, zt))
 
-  return tiles.kl_finish(_loop([ws, wt], block_v, body, tiles.kl_init(len(hs))))
+  init = (tiles.kl_init(len(hs)),
+          _kept_init(keep, len(hs), ws.shape[1], block_v, 2))
+  stats, kept = _loop([ws, wt], block_v, body, init)
+  return tiles.kl_finish(stats) + ((kept,) if keep else ())
 
 
 def kl_grads(hs, ws, ht, wt, lse_s, lse_t, reverse, g_reverse, g_forward, *,
-             scale, teacher_scale, block_v=None):
-  """Float32 ``(dh_s, dw_s)`` from the cotangents of both KLs (teacher fixed)."""
-  def cotangent(valid, ws_tile, others):
-    zs = tiles.logits(hs, ws_tile, scale, valid)
-    zt = tiles.logits(ht, others[0], teacher_scale, valid)
+             scale, teacher_scale, block_v=None, kept=None):
+  """Float32 ``(dh_s, dw_s)`` from the cotangents of both KLs (teacher
+  fixed); ``kept``: ``kl_stats(..., keep=True)``'s logits."""
+  def cotangent(j, valid, ws_tile, others):
+    zs = _tile(kept, 0, j,
+               lambda: tiles.logits(hs, ws_tile, scale, valid))
+    zt = _tile(kept, 1, j,
+               lambda: tiles.logits(ht, others[0], teacher_scale, valid))
     return scale * tiles.kl_cotangent(zs, zt, valid, lse_s, lse_t, reverse,
                                       g_reverse, g_forward)
 
@@ -117,7 +167,7 @@ def topk(h, w, k: int, *, scale, block_v=None):
   """
   n = len(h)
 
-  def body(start, valid, w_tiles, carry):
+  def body(j, start, valid, w_tiles, carry):
     values, ids, stats = carry
     z = tiles.logits(h, w_tiles[0], scale, valid)
     tile_values, tile_ids = jax.lax.top_k(z, min(k, z.shape[1]))

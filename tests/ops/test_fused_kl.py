@@ -10,9 +10,11 @@ from mopd_jax.ops import vocab_naive as naive
 from mopd_jax.ops.vocab_naive import rel_err
 
 
-def xla(block_v):
-  """The reference implementation with a ``block_v`` vocabulary tile."""
-  return vocab.VocabOps("xla", block_v)
+def xla(block_v, keep_logits_mib=-1):
+  """The reference implementation with a ``block_v`` vocabulary tile
+  (logits kept for the backward pass as on the CPU by default; 0:
+  recomputed, as on accelerators)."""
+  return vocab.VocabOps("xla", block_v, keep_logits_mib=keep_logits_mib)
 
 
 def inputs(seed, n, d, d_t, v):
@@ -52,9 +54,11 @@ def fused_loss(c_rev, c_fwd, **kwargs):
     (16, 8, 24, 128, 32, 0.8, 1.25),    # wider teacher, two temperatures
     (5, 8, 8, 60, 128, 1.0, None),      # vocabulary smaller than one tile
 ])
-def test_matches_float64_naive(n, d, d_t, v, block_v, scale, teacher_scale):
+@pytest.mark.parametrize("keep", [-1, 0])
+def test_matches_float64_naive(n, d, d_t, v, block_v, scale, teacher_scale,
+                               keep):
   h, w, ht, wt, c_rev, c_fwd = inputs(n + v, n, d, d_t, v)
-  loss = fused_loss(c_rev, c_fwd, ops=xla(block_v), scale=scale,
+  loss = fused_loss(c_rev, c_fwd, ops=xla(block_v, keep), scale=scale,
                     teacher_scale=teacher_scale)
   (dh, dw, dht, dwt), kl = jax.jit(jax.grad(loss, (0, 1, 2, 3),
                                             has_aux=True))(h, w, ht, wt)

@@ -10,9 +10,11 @@ from mopd_jax.ops import vocab_naive as naive
 from mopd_jax.ops.vocab_naive import rel_err
 
 
-def xla(block_v):
-  """The reference implementation with a ``block_v`` vocabulary tile."""
-  return vocab.VocabOps("xla", block_v)
+def xla(block_v, keep_logits_mib=-1):
+  """The reference implementation with a ``block_v`` vocabulary tile
+  (logits kept for the backward pass as on the CPU by default; 0:
+  recomputed, as on accelerators)."""
+  return vocab.VocabOps("xla", block_v, keep_logits_mib=keep_logits_mib)
 
 
 def inputs(seed, n, d, v, k=None):
@@ -58,10 +60,11 @@ def fused(h, w, targets, c_logp, c_ent, **kwargs):
     (5, 8, 100, 128, None, 1.0),    # vocabulary smaller than one tile
     (19, 12, 130, 32, 3, 0.7),      # K targets per row, temperature
 ])
-def test_matches_float64_naive(n, d, v, block_v, k, scale):
+@pytest.mark.parametrize("keep", [-1, 0])
+def test_matches_float64_naive(n, d, v, block_v, k, scale, keep):
   h, w, targets, c_logp, c_ent = inputs(n + v, n, d, v, k)
   (logp, ent), (dh, dw) = fused(h, w, targets, c_logp, c_ent,
-                                ops=xla(block_v), scale=scale)
+                                ops=xla(block_v, keep), scale=scale)
   (ref_logp, ref_ent), (ref_dh, ref_dw) = float64_reference(
       h, w, targets, c_logp, c_ent, scale)
   assert logp.shape == targets.shape and ent.shape == (n,)
@@ -122,6 +125,47 @@ def test_bfloat16_within_naive_bfloat16_error():
   base = jax.tree.leaves((naive_outs, naive_grads))
   for g, b, t in zip(got, base, jax.tree.leaves(truth)):
     assert rel_err(g, t) <= max(2 * rel_err(b, t), 1e-5)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.7])
+def test_kept_logits_give_the_recomputed_gradients(scale):
+  """Reading the forward pass's logits instead of recomputing them changes
+  no bit of either op's gradients at temperature 1 (so a run's float
+  rounding does not depend on the budget) and only float32 rounding at
+  others (XLA fuses the scaled tile differently in the two passes), and
+  the budget decides which happens."""
+  n, d, v = 21, 8, 150
+  h, w, targets, c_logp, c_ent = inputs(5, n, d, v)
+  mask = np.arange(n) % 5 != 0
+  teacher_h = np.random.default_rng(6).normal(size=(n, d)).astype(np.float32)
+
+  def grads(keep):
+    ops = xla(32, keep)
+
+    def loss(h, w):
+      logp, ent = vocab.token_logprobs(h, w, targets, mask=mask, scale=scale,
+                                       with_entropy=True, ops=ops)
+      kl = vocab.vocab_kl(h, w, teacher_h, 1.1 * w, mask=mask, scale=scale,
+                          teacher_scale=scale, ops=ops)
+      return (jnp.sum(c_logp * logp) + jnp.sum(c_ent * ent)
+              + jnp.sum(c_ent * kl.mix(0.3)))
+
+    return jax.jit(jax.grad(loss, (0, 1)))(h, w)
+
+  for kept, recomputed in zip(grads(1), grads(0)):
+    if scale == 1.0:
+      np.testing.assert_array_equal(np.asarray(kept), np.asarray(recomputed))
+    else:
+      assert rel_err(kept, recomputed) <= 1e-6
+  # 5 tiles of [21, 32] float32 logits: 13,440 bytes an array
+  cfg = vocab._config(xla(32, 1), 1.0)
+  assert vocab.tile_bytes(n, v, cfg, 1) == 13_440
+  hw = (jnp.asarray(h), jnp.asarray(w))
+  assert vocab._stats(cfg, "lse_stats", 1, *hw)[-1][0].shape == (5, n, 32)
+  assert vocab._stats(cfg._replace(keep_bytes=13_439), "lse_stats", 1,
+                      *hw)[-1] is None
+  assert vocab._config(xla(32), 1.0).keep_bytes == 1024 << 20  # the CPU's
+  assert vocab._config(vocab.VocabOps("pallas"), 1.0).keep_bytes == 0
 
 
 def test_auto_never_picks_pallas_on_cpu():
