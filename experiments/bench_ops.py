@@ -1,7 +1,7 @@
 """Benchmark: fused vocabulary ops against materialised logits, forward+backward.
 
     python experiments/bench_ops.py [--quick] [--n=8192 --d=512 --v=32768]
-        [--block_v=...] [--impl=auto] [--repeats=3]
+        [--block_v=...] [--impl=auto] [--keep_logits_mib=-1] [--repeats=3]
 
 For each op (token log-probs with entropy; reverse + forward KL to a teacher)
 it compiles ``grad`` of a scalar loss w.r.t. ``(h, w)`` both ways and prints,
@@ -12,6 +12,9 @@ naive ones (``max |x - ref| / max |ref|`` per array). The last line is one
 JSON object; its top-level ``memory_ratio`` (naive / fused temp bytes),
 ``time_ratio`` (fused / naive time) and ``max_rel_err`` are the worst over
 the ops. ``--quick`` runs N=2048, d=256, V=8192 (seconds on a laptop CPU).
+``--keep_logits_mib``: as the config's ``ops.keep_logits_mib`` (-1, the
+default, keeps logits for the backward pass on the CPU; 0 recomputes them,
+the memory-linear path accelerators take).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def losses(args):
   ``data = (targets, teacher_h, teacher_w, c)`` is an argument, not a closed
   over constant, so XLA cannot fold the teacher's logits at compile time.
   """
-  ops = vocab.VocabOps(impl=args.impl, block_v=args.block_v)
+  ops = vocab.VocabOps(impl=args.impl, block_v=args.block_v,
+                       keep_logits_mib=args.keep_logits_mib)
 
   def logprobs_fused(h, w, data):
     targets, _, _, c = data
@@ -76,6 +80,7 @@ def main():
   parser.add_argument("--v", type=int, default=32768)
   parser.add_argument("--block_v", type=int, default=None)
   parser.add_argument("--impl", default="auto")
+  parser.add_argument("--keep_logits_mib", type=int, default=-1)
   parser.add_argument("--ops", default="logprobs,kl")
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
