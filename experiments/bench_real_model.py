@@ -4,7 +4,7 @@ same weights, in one process (e.g. SmolLM2-135M-Instruct).
     python experiments/bench_real_model.py --model=HF_DIR \
         [--batches=16,64] [--new=128] [--repeats=3] [--cpu_devices=2] \
         [--eval_file=sums.jsonl] [--train_rows=8] [--json=out.json] \
-        [--attention_chunk=128] [--unscanned]
+        [--attention_chunk=128] [--unscanned] [--train_processes=3]
 
 Prints, each against its baseline in this one run:
 * **sampling**: ours (``sampler.sample``) against transformers' ``generate``
@@ -23,7 +23,12 @@ Prints, each against its baseline in this one run:
   attention (``model.attention_chunk``: keys in blocks of ``N``, flash
   attention's backward pass), in the same interleaved rounds; with
   ``--unscanned``, the train step also with the layers run as a loop
-  instead of one scan (``model.scan_layers=False``);
+  instead of one scan (``model.scan_layers=False``); with
+  ``--train_processes=N``, each side's train step runs in a fresh process
+  of its own instead (ours, then torch's, ``N`` rounds; a process's
+  median of ``--repeats`` calls after a warm-up, the median over rounds
+  printed): one process allocating for both sides' steps lands their
+  multi-GB buffers in each other's heap (docs/performance.md);
 * **evaluate end to end** (with ``--eval_file``, a ``math`` JSONL; its
   first ``--eval_prompts`` test-split records): the wall time of
   ``python -m mopd_jax.evaluate --run=HF_DIR`` (imports, conversion,
@@ -214,6 +219,23 @@ def _wall(cmd) -> float:
   return time.perf_counter() - start
 
 
+def _side_process(args, side: str) -> dict:
+  """One side's train step timed in a fresh process (``--train_side``):
+  ``{"seconds": median, "loss": the warm-up call's}``."""
+  cmd = [sys.executable, os.path.abspath(__file__), f"--model={args.model}",
+         "--batches=", f"--new={args.new}", f"--repeats={args.repeats}",
+         f"--train_rows={args.train_rows}",
+         f"--prompt_tokens={args.prompt_tokens}",
+         f"--cpu_devices={args.cpu_devices}",
+         f"--attention_chunk={args.attention_chunk}", f"--train_side={side}"]
+  if args.unscanned:
+    cmd.append("--unscanned")
+  result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+  if result.returncode:
+    raise SystemExit(f"train side {side!r} failed: {result.stderr[-2000:]}")
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def test_prompts_file(eval_file: str, out_dir: str, n: int) -> str:
   """The first ``n`` records of ``eval_file`` that fall in the test split
   (a record's split is the hash of its prompt), as a file of their own:
@@ -270,9 +292,13 @@ def main(argv=None):
   parser.add_argument("--unscanned", action="store_true",
                       help="also time our train step with"
                       " model.scan_layers=False")
+  parser.add_argument("--train_processes", type=int, default=0,
+                      help="rounds of the train steps, each side in a"
+                      " process of its own (0: interleaved in this one)")
   parser.add_argument("--json", default="")
   parser.add_argument("--transformers_eval_loop", action="store_true",
                       help=argparse.SUPPRESS)
+  parser.add_argument("--train_side", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.transformers_eval_loop:
     return transformers_eval_loop(args.model, args.eval_file, args.new)
@@ -332,13 +358,30 @@ def main(argv=None):
       completions = np.random.default_rng(3).integers(
           3, tok.vocab_size, (args.train_rows, args.new), dtype=np.int32)
       tokens = np.concatenate([prompts, completions], axis=1)
-      steps = ([our_train_step(c, params, tokens, prompt_len)
-                for c in train_cfgs.values()]
-               + [their_train_step(model.train(), tokens, prompt_len)])
-      *ours_s, theirs_s = interleaved(steps, args.repeats)
+      sides = [*train_cfgs, "torch"]
+
+      def step_of(side):
+        if side == "torch":
+          return their_train_step(model.train(), tokens, prompt_len)
+        return our_train_step(train_cfgs[side], params, tokens, prompt_len)
+
+      if args.train_side is not None:  # a child of --train_processes
+        fn = step_of(args.train_side)
+        seconds = timed(fn, args.repeats)
+        print(json.dumps(dict(seconds=seconds, loss=fn.losses[0])))
+        return
+      if args.train_processes:
+        rounds = [[_side_process(args, side) for side in sides]
+                  for _ in range(args.train_processes)]
+        *ours_s, theirs_s = (float(np.median([r[i]["seconds"] for r in rounds]))
+                             for i in range(len(sides)))
+        first = [r["loss"] for r in rounds[0]]
+      else:
+        steps = [step_of(side) for side in sides]
+        *ours_s, theirs_s = interleaved(steps, args.repeats)
+        first = [fn.losses[0] for fn in steps]
       # the same loss on the same weights (the warm-up calls): the two
       # sides compute one step
-      first = [fn.losses[0] for fn in steps]
       if max(first) - min(first) > 1e-3 * abs(first[-1]):
         raise SystemExit(f"the train steps' losses differ: {first}")
       n = tokens.size
@@ -346,8 +389,10 @@ def main(argv=None):
         figures[f"train_step{key}"] = row = dict(
             tokens=n, ours_tokens_s=n / mine, theirs_tokens_s=n / theirs_s,
             ratio=theirs_s / mine)
-        print(f"train step{key} ({args.train_rows} x {tokens.shape[1]}):"
-              f" ours {row['ours_tokens_s']:.0f} tokens/s, torch"
+        where = (f", {args.train_processes} rounds of a process each"
+                 if args.train_processes else "")
+        print(f"train step{key} ({args.train_rows} x {tokens.shape[1]}"
+              f"{where}): ours {row['ours_tokens_s']:.0f} tokens/s, torch"
               f" {row['theirs_tokens_s']:.0f}: {row['ratio']:.2f}x")
   if args.eval_file:
     out_dir = os.path.dirname(os.path.abspath(args.json or args.eval_file))

@@ -91,6 +91,14 @@ def test_bench_real_model_and_real_data_smoke(tmp_path):
     assert figures[key]["ratio"] > 0, key
   assert figures["evaluate"]["prompts"] == 2  # test-split records only
   assert figures["sample_b2"]["first_call_s"] > 0
+  # each side's train step in a process of its own
+  result = run_experiment("bench_real_model.py", f"--model={tmp_path / 'hf'}",
+                          "--batches=", "--new=3", "--repeats=1",
+                          "--train_rows=2", "--prompt_tokens=8,16",
+                          "--train_processes=1", f"--json={out}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "1 rounds of a process each" in result.stdout
+  assert json.loads(out.read_text())["train_step"]["ratio"] > 0
 
 
 def test_bench_async_smoke_and_the_async_run_resumes_exactly(tmp_path,
