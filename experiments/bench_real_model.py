@@ -5,6 +5,7 @@ same weights, in one process (e.g. SmolLM2-135M-Instruct).
         [--batches=16,64] [--new=128] [--repeats=3] [--cpu_devices=2] \
         [--eval_file=sums.jsonl] [--train_rows=8] [--json=out.json] \
         [--attention_chunk=128] [--unscanned] [--train_processes=3]
+        [--keep_logits_mib=0]
 
 Prints, each against its baseline in this one run:
 * **sampling**: ours (``sampler.sample``) against transformers' ``generate``
@@ -29,6 +30,8 @@ Prints, each against its baseline in this one run:
   median of ``--repeats`` calls after a warm-up, the median over rounds
   printed): one process allocating for both sides' steps lands their
   multi-GB buffers in each other's heap (docs/performance.md);
+  ``--keep_logits_mib=0`` recomputes our vocabulary's logits in the
+  backward pass (``ops.keep_logits_mib``; the CPU's default keeps them);
 * **evaluate end to end** (with ``--eval_file``, a ``math`` JSONL; its
   first ``--eval_prompts`` test-split records): the wall time of
   ``python -m mopd_jax.evaluate --run=HF_DIR`` (imports, conversion,
@@ -133,10 +136,12 @@ def their_generate(model, ids, mask, new: int):
   return run
 
 
-def our_train_step(cfg, params, tokens, prompt_len: int):
+def our_train_step(cfg, params, tokens, prompt_len: int,
+                   keep_logits_mib: int = -1):
   """A jitted step: ``-mean log pi(y_t)`` over the completion tokens
   (the policy-gradient loss with unit advantages), its gradient, AdamW;
-  the vocabulary op over the completion's positions only."""
+  the vocabulary op over the completion's positions only (its logits kept
+  for the backward pass as ``keep_logits_mib`` says, as ``ops``'s)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -156,7 +161,8 @@ def our_train_step(cfg, params, tokens, prompt_len: int):
       h = sampler.completion_hidden(p, cfg, prompt, ones[0], completion,
                                     ones[1])
       return -jnp.mean(vocab.token_logprobs(
-          h, decoder.output_weight(p, cfg), completion))
+          h, decoder.output_weight(p, cfg), completion,
+          ops=vocab.VocabOps(keep_logits_mib=keep_logits_mib)))
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt = optimizer.update(grads, opt, params)
     return optax.apply_updates(params, updates), opt, loss
@@ -227,7 +233,8 @@ def _side_process(args, side: str) -> dict:
          f"--train_rows={args.train_rows}",
          f"--prompt_tokens={args.prompt_tokens}",
          f"--cpu_devices={args.cpu_devices}",
-         f"--attention_chunk={args.attention_chunk}", f"--train_side={side}"]
+         f"--attention_chunk={args.attention_chunk}",
+         f"--keep_logits_mib={args.keep_logits_mib}", f"--train_side={side}"]
   if args.unscanned:
     cmd.append("--unscanned")
   result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -292,6 +299,9 @@ def main(argv=None):
   parser.add_argument("--unscanned", action="store_true",
                       help="also time our train step with"
                       " model.scan_layers=False")
+  parser.add_argument("--keep_logits_mib", type=int, default=-1,
+                      help="our train step's ops.keep_logits_mib (0: the"
+                      " vocabulary's logits recomputed in the backward)")
   parser.add_argument("--train_processes", type=int, default=0,
                       help="rounds of the train steps, each side in a"
                       " process of its own (0: interleaved in this one)")
@@ -363,7 +373,8 @@ def main(argv=None):
       def step_of(side):
         if side == "torch":
           return their_train_step(model.train(), tokens, prompt_len)
-        return our_train_step(train_cfgs[side], params, tokens, prompt_len)
+        return our_train_step(train_cfgs[side], params, tokens, prompt_len,
+                              args.keep_logits_mib)
 
       if args.train_side is not None:  # a child of --train_processes
         fn = step_of(args.train_side)

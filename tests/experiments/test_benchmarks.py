@@ -95,7 +95,8 @@ def test_bench_real_model_and_real_data_smoke(tmp_path):
   result = run_experiment("bench_real_model.py", f"--model={tmp_path / 'hf'}",
                           "--batches=", "--new=3", "--repeats=1",
                           "--train_rows=2", "--prompt_tokens=8,16",
-                          "--train_processes=1", f"--json={out}")
+                          "--train_processes=1", "--keep_logits_mib=0",
+                          f"--json={out}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "1 rounds of a process each" in result.stdout
   assert json.loads(out.read_text())["train_step"]["ratio"] > 0
