@@ -319,7 +319,7 @@ def main(argv=None):
   import transformers
   from mopd_jax import convert, runs
   from mopd_jax.models import tokenizer as tokenizer_lib
-  from mopd_jax.timing import interleaved, timed
+  from mopd_jax.timing import interleaved, timed, timed_calls
   tok = tokenizer_lib.of_run(args.model)
   model = transformers.AutoModelForCausalLM.from_pretrained(
       args.model, dtype=torch.float32).eval()
@@ -378,8 +378,9 @@ def main(argv=None):
 
       if args.train_side is not None:  # a child of --train_processes
         fn = step_of(args.train_side)
-        seconds = timed(fn, args.repeats)
-        print(json.dumps(dict(seconds=seconds, loss=fn.losses[0])))
+        calls = timed_calls(fn, args.repeats)
+        print(json.dumps(dict(seconds=float(np.median(calls)), calls=calls,
+                              loss=fn.losses[0])))
         return
       if args.train_processes:
         rounds = [[_side_process(args, side) for side in sides]
@@ -396,10 +397,13 @@ def main(argv=None):
       if max(first) - min(first) > 1e-3 * abs(first[-1]):
         raise SystemExit(f"the train steps' losses differ: {first}")
       n = tokens.size
-      for key, mine in zip(train_cfgs, ours_s):
+      for i, (key, mine) in enumerate(zip(train_cfgs, ours_s)):
         figures[f"train_step{key}"] = row = dict(
             tokens=n, ours_tokens_s=n / mine, theirs_tokens_s=n / theirs_s,
             ratio=theirs_s / mine)
+        if args.train_processes:  # every timed call, per round and side
+          row.update(ours_calls=[r[i]["calls"] for r in rounds],
+                     theirs_calls=[r[-1]["calls"] for r in rounds])
         where = (f", {args.train_processes} rounds of a process each"
                  if args.train_processes else "")
         print(f"train step{key} ({args.train_rows} x {tokens.shape[1]}"

@@ -7,8 +7,8 @@ import time
 import numpy as np
 
 
-def timed(fn, repeats: int) -> float:
-  """Median seconds of ``fn()`` (which must block) over ``repeats`` calls,
+def timed_calls(fn, repeats: int) -> list[float]:
+  """Seconds of each of ``repeats`` calls of ``fn()`` (which must block),
   after one call that compiles and warms up."""
   fn()
   times = []
@@ -16,7 +16,12 @@ def timed(fn, repeats: int) -> float:
     start = time.perf_counter()
     fn()
     times.append(time.perf_counter() - start)
-  return float(np.median(times))
+  return times
+
+
+def timed(fn, repeats: int) -> float:
+  """Median seconds of ``timed_calls``."""
+  return float(np.median(timed_calls(fn, repeats)))
 
 
 def interleaved(fns, repeats: int) -> list[float]:
