@@ -225,18 +225,14 @@ def _wall(cmd) -> float:
   return time.perf_counter() - start
 
 
-def _side_process(args, side: str) -> dict:
-  """One side's train step timed in a fresh process (``--train_side``):
-  ``{"seconds": median, "loss": the warm-up call's}``."""
-  cmd = [sys.executable, os.path.abspath(__file__), f"--model={args.model}",
-         "--batches=", f"--new={args.new}", f"--repeats={args.repeats}",
-         f"--train_rows={args.train_rows}",
-         f"--prompt_tokens={args.prompt_tokens}",
-         f"--cpu_devices={args.cpu_devices}",
-         f"--attention_chunk={args.attention_chunk}",
-         f"--keep_logits_mib={args.keep_logits_mib}", f"--train_side={side}"]
-  if args.unscanned:
-    cmd.append("--unscanned")
+def _side_process(argv: list[str], side: str) -> dict:
+  """One side's train step timed in a fresh process: this script's own
+  arguments ``argv`` with no sampling, evaluation or JSON and
+  ``--train_side``; returns ``{"seconds": median, "calls": [...],
+  "loss": the warm-up call's}``."""
+  cmd = [sys.executable, os.path.abspath(__file__), *argv, "--batches=",
+         "--eval_file=", "--json=", "--train_processes=0",
+         f"--train_side={side}"]  # argparse: the last of a flag wins
   result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
   if result.returncode:
     raise SystemExit(f"train side {side!r} failed: {result.stderr[-2000:]}")
@@ -309,6 +305,7 @@ def main(argv=None):
   parser.add_argument("--transformers_eval_loop", action="store_true",
                       help=argparse.SUPPRESS)
   parser.add_argument("--train_side", default=None, help=argparse.SUPPRESS)
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parser.parse_args(argv)
   if args.transformers_eval_loop:
     return transformers_eval_loop(args.model, args.eval_file, args.new)
@@ -383,7 +380,7 @@ def main(argv=None):
                               loss=fn.losses[0])))
         return
       if args.train_processes:
-        rounds = [[_side_process(args, side) for side in sides]
+        rounds = [[_side_process(argv, side) for side in sides]
                   for _ in range(args.train_processes)]
         *ours_s, theirs_s = (float(np.median([r[i]["seconds"] for r in rounds]))
                              for i in range(len(sides)))

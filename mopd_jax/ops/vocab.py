@@ -123,7 +123,8 @@ def _stats(cfg: _Config, name: str, arrays: int, *args):
   unembedding ``args[1]``), with one more output: the ``arrays`` logits it
   kept for the backward pass where they fit ``cfg.keep_bytes``, else
   None."""
-  if tile_bytes(len(args[0]), args[1].shape[1], cfg, arrays) <= cfg.keep_bytes:
+  size = tile_bytes(len(args[0]), args[1].shape[1], cfg, arrays)
+  if cfg.keep_bytes and size <= cfg.keep_bytes:  # 0: never (not even 0 rows)
     return cfg.op(name)(*args, keep=True)
   return cfg.op(name)(*args) + (None,)
 
